@@ -1,0 +1,94 @@
+from grpo.common.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TrainStepRequest(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: _types_pb2.TrainBatch
+    def __init__(self, batch: _Optional[_Union[_types_pb2.TrainBatch, _Mapping]] = ...) -> None: ...
+
+class TrainStepResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: _types_pb2.StepResult
+    def __init__(self, result: _Optional[_Union[_types_pb2.StepResult, _Mapping]] = ...) -> None: ...
+
+class PrepareWeightsRequest(_message.Message):
+    __slots__ = ("transport",)
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    transport: _types_pb2.WeightTransportKind
+    def __init__(self, transport: _Optional[_Union[_types_pb2.WeightTransportKind, str]] = ...) -> None: ...
+
+class PrepareWeightsResponse(_message.Message):
+    __slots__ = ("weight_version", "prepare_ms")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: _types_pb2.WeightVersion
+    prepare_ms: float
+    def __init__(self, weight_version: _Optional[_Union[_types_pb2.WeightVersion, _Mapping]] = ..., prepare_ms: _Optional[float] = ...) -> None: ...
+
+class FetchWeightsRequest(_message.Message):
+    __slots__ = ("version", "buckets")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    buckets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FetchWeightsResponse(_message.Message):
+    __slots__ = ("chunk",)
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    chunk: _types_pb2.WeightChunk
+    def __init__(self, chunk: _Optional[_Union[_types_pb2.WeightChunk, _Mapping]] = ...) -> None: ...
+
+class ReleaseWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class ReleaseWeightsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ScoreTokensRequest(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: _types_pb2.TokenSequence
+    def __init__(self, sequence: _Optional[_Union[_types_pb2.TokenSequence, _Mapping]] = ...) -> None: ...
+
+class ScoreTokensResponse(_message.Message):
+    __slots__ = ("logprobs", "weight_version")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    weight_version: int
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class GetLearnerStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetLearnerStateResponse(_message.Message):
+    __slots__ = ("weight_version", "step", "model", "loss", "prepared_versions", "device", "dtype")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    step: int
+    model: str
+    loss: str
+    prepared_versions: _containers.RepeatedScalarFieldContainer[int]
+    device: str
+    dtype: str
+    def __init__(self, weight_version: _Optional[int] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., loss: _Optional[str] = ..., prepared_versions: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...

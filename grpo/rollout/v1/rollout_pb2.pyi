@@ -1,0 +1,120 @@
+from grpo.common.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RolloutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLLOUT_STATUS_UNSPECIFIED: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_LOADING: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_READY: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_UPDATING: _ClassVar[RolloutStatus]
+    ROLLOUT_STATUS_DRAINING: _ClassVar[RolloutStatus]
+ROLLOUT_STATUS_UNSPECIFIED: RolloutStatus
+ROLLOUT_STATUS_LOADING: RolloutStatus
+ROLLOUT_STATUS_READY: RolloutStatus
+ROLLOUT_STATUS_UPDATING: RolloutStatus
+ROLLOUT_STATUS_DRAINING: RolloutStatus
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "sampling_params")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: _types_pb2.Prompt
+    sampling_params: _types_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("completion",)
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    completion: _types_pb2.Completion
+    def __init__(self, completion: _Optional[_Union[_types_pb2.Completion, _Mapping]] = ...) -> None: ...
+
+class StageWeightsRequest(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: _types_pb2.WeightVersion
+    def __init__(self, weight_version: _Optional[_Union[_types_pb2.WeightVersion, _Mapping]] = ...) -> None: ...
+
+class StageWeightsResponse(_message.Message):
+    __slots__ = ("version", "bytes", "fetch_ms")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_MS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    bytes: int
+    fetch_ms: float
+    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., fetch_ms: _Optional[float] = ...) -> None: ...
+
+class CommitWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class CommitWeightsResponse(_message.Message):
+    __slots__ = ("version", "load_ms", "pause_ms")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    load_ms: float
+    pause_ms: float
+    def __init__(self, version: _Optional[int] = ..., load_ms: _Optional[float] = ..., pause_ms: _Optional[float] = ...) -> None: ...
+
+class AbortWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class AbortWeightsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ScoreTokensRequest(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: _types_pb2.TokenSequence
+    def __init__(self, sequence: _Optional[_Union[_types_pb2.TokenSequence, _Mapping]] = ...) -> None: ...
+
+class ScoreTokensResponse(_message.Message):
+    __slots__ = ("logprobs", "weight_version")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    weight_version: int
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class GetRolloutStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetRolloutStateResponse(_message.Message):
+    __slots__ = ("rollout_id", "weight_version", "staged_version", "status", "engine", "model", "in_flight", "max_in_flight", "tokens_generated")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    weight_version: int
+    staged_version: int
+    status: RolloutStatus
+    engine: str
+    model: str
+    in_flight: int
+    max_in_flight: int
+    tokens_generated: int
+    def __init__(self, rollout_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,117 @@
+"""One configuration system for all services: pydantic-settings.
+
+Precedence (highest first): command-line flags > `GRPO_<SVC>__<FIELD>` environment variables >
+the service's table in the run-config file > defaults. The run-config file is one TOML file with a
+table per service (`[scheduler]`, `[learner]`, `[rollout]`, `[env]`), given by `--config PATH` or
+`GRPO_CONFIG`, so one file describes a whole run. Nested fields use `__` in env vars
+(`GRPO_LEARNER__OPTIM__LR=1e-5`) and `.` on the command line (`--optim.lr 1e-5`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+from pydantic import Field
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+CONTROL_MESSAGE_BYTES = 16 << 20
+
+
+class _RunConfigFileSource(PydanticBaseSettingsSource):
+    """Reads one table of the TOML run-config file."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None, table: str) -> None:
+        super().__init__(settings_cls)
+        self._data: dict[str, Any] = {}
+        if path is not None:
+            with path.open("rb") as handle:
+                self._data = tomllib.load(handle).get(table, {})
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+def _config_path_from_argv(argv: list[str]) -> Path | None:
+    for index, arg in enumerate(argv):
+        if arg == "--config" and index + 1 < len(argv):
+            return Path(argv[index + 1])
+        if arg.startswith("--config="):
+            return Path(arg.split("=", 1)[1])
+    env = os.environ.get("GRPO_CONFIG")
+    return Path(env) if env else None
+
+
+class ServiceSettings(BaseSettings):
+    """Fields every service has. Subclasses set `config_table` and `model_config(env_prefix=...)`."""
+
+    config_table: ClassVar[str] = ""
+    _config_path: ClassVar[Path | None] = None
+
+    model_config = SettingsConfigDict(
+        env_nested_delimiter="__",
+        extra="forbid",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        nested_model_default_partial_update=True,
+    )
+
+    config: Path | None = Field(
+        default=None, description="TOML run-config file with one table per service (also GRPO_CONFIG)."
+    )
+    host: str = Field(default="127.0.0.1", description="Address to bind.")
+    port: int = Field(default=0, description="Port to bind; 0 picks a free one (see --port-file).")
+    port_file: Path | None = Field(
+        default=None, description="Write the bound port to this file once listening (for launchers)."
+    )
+    log_level: str = Field(default="INFO", description="Log level: DEBUG, INFO, WARNING, ERROR.")
+    grace_seconds: float = Field(default=5.0, description="On SIGTERM, in-flight RPCs get this long to finish.")
+    max_message_bytes: int = Field(
+        default=CONTROL_MESSAGE_BYTES,
+        description="Max gRPC message size, sent and received. Bulk data streams in ≤1 MiB chunks.",
+    )
+    max_concurrent_rpcs: int = Field(
+        default=256, description="RPCs beyond this get RESOURCE_EXHAUSTED (explicit backpressure)."
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = init_settings.init_kwargs.get("config") or cls._config_path or _config_path_from_argv([])
+        file_source = _RunConfigFileSource(settings_cls, Path(path) if path else None, cls.config_table)
+        return init_settings, env_settings, file_source
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None, prog: str | None = None) -> Self:
+        """Parse flags (with --help generated from the field descriptions), env and the run-config file."""
+        from pydantic_settings import CliSettingsSource
+
+        argv = sys.argv[1:] if argv is None else argv
+        cls._config_path = _config_path_from_argv(argv)
+        cli = CliSettingsSource(cls, cli_prog_name=prog, cli_kebab_case=True, cli_implicit_flags=True)
+        try:
+            return cls(_cli_settings_source=cli(args=argv))
+        finally:
+            cls._config_path = None
+
+    @classmethod
+    def load(cls, config: Path | None = None, **overrides: Any) -> Self:
+        """Programmatic construction (tests, launchers): file + env + keyword overrides."""
+        cls._config_path = config or _config_path_from_argv([])
+        try:
+            return cls(**overrides)
+        finally:
+            cls._config_path = None

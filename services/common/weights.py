@@ -1,0 +1,183 @@
+"""Packing model weights into one flat byte buffer with a manifest and per-bucket checksums.
+
+The learner packs its `state_dict()` (HF names, unsharded, in module order so tied heads and
+layer-wise loaders see every tensor) into a contiguous buffer split into buckets; each bucket gets
+a SHA-256. Rollouts receive the same bytes by any transport (gRPC chunk stream, shared memory, ...),
+verify every bucket, and rebuild tensors with `torch.frombuffer` - no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from grpo.common.v1 import types_pb2
+from services.common.errors import DataLoss, InvalidArgument
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+CHUNK_BYTES = 1 << 20  # bulk data travels in chunks of at most 1 MiB
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: the wire form of a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError as exc:
+        raise InvalidArgument(f"unsupported tensor dtype {name!r}") from exc
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives in the packed buffer."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """A checksummed byte range of the packed buffer."""
+
+    index: int
+    offset: int
+    nbytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    tensors: tuple[TensorEntry, ...]
+    buckets: tuple[BucketEntry, ...]
+    total_bytes: int
+
+
+def plan_layout(state: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
+    """Offsets for each tensor, 64-byte aligned, in the mapping's order."""
+    entries, offset = [], 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append(TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+        offset += (nbytes + 63) // 64 * 64
+    return entries
+
+
+def packed_size(entries: list[TensorEntry]) -> int:
+    if not entries:
+        return 0
+    last = entries[-1]
+    return (last.offset + last.nbytes + 63) // 64 * 64
+
+
+def pack_into(state: Mapping[str, torch.Tensor], entries: list[TensorEntry], buffer: memoryview) -> None:
+    """Copy each tensor's bytes into `buffer` at its planned offset (CPU, contiguous)."""
+    for entry in entries:
+        src = state[entry.name].detach().to("cpu").contiguous().reshape(-1)
+        dst = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
+        dst.copy_(src.view(torch.uint8))
+
+
+def checksum_buckets(buffer: memoryview, total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[BucketEntry]:
+    """Split [0, total) into buckets and hash each one."""
+    buckets = []
+    for index, start in enumerate(range(0, total, bucket_bytes)):
+        size = min(bucket_bytes, total - start)
+        digest = hashlib.sha256(buffer[start : start + size]).hexdigest()
+        buckets.append(BucketEntry(index, start, size, digest))
+    return buckets
+
+
+def verify_buckets(buffer: memoryview, buckets: tuple[BucketEntry, ...] | list[BucketEntry]) -> None:
+    """Raise DataLoss naming the first bucket whose bytes do not match their checksum."""
+    for bucket in buckets:
+        got = hashlib.sha256(buffer[bucket.offset : bucket.offset + bucket.nbytes]).hexdigest()
+        if got != bucket.sha256:
+            raise DataLoss(f"weight bucket {bucket.index} checksum mismatch: expected {bucket.sha256[:12]}…, got {got[:12]}…")
+
+
+def iter_tensors(buffer: memoryview, tensors: tuple[TensorEntry, ...] | list[TensorEntry]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views over `buffer`, zero-copy; the caller keeps `buffer` alive while using them."""
+    for entry in tensors:
+        if entry.offset + entry.nbytes > len(buffer):
+            raise InvalidArgument(f"tensor {entry.name} lies outside the weight buffer")
+        dtype = dtype_from_name(entry.dtype)
+        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
+        yield entry.name, flat.view(dtype).reshape(entry.shape)
+
+
+def chunk_ranges(buckets: list[BucketEntry] | tuple[BucketEntry, ...], chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, int, int]]:
+    """(bucket index, offset, size) of each ≤ chunk_bytes slice, bucket by bucket."""
+    for bucket in buckets:
+        end = bucket.offset + bucket.nbytes
+        for start in range(bucket.offset, end, chunk_bytes):
+            yield bucket.index, start, min(chunk_bytes, end - start)
+
+
+def create_segment(name: str, size: int) -> shared_memory.SharedMemory:
+    """A new POSIX shared-memory segment owned (and later unlinked) by the caller."""
+    return shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+
+
+def attach_segment(name: str) -> shared_memory.SharedMemory:
+    """Attach to a producer's segment without letting this process's resource tracker unlink it."""
+    segment = shared_memory.SharedMemory(name=name, create=False)
+    # Python < 3.13 registers attached segments too and would unlink the producer's memory at exit.
+    resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001
+    return segment
+
+
+def manifest_to_proto(manifest: Manifest, message: types_pb2.WeightVersion) -> None:
+    """Fill the manifest fields (tensors, buckets, total_bytes) of a WeightVersion message."""
+    message.total_bytes = manifest.total_bytes
+    for t in manifest.tensors:
+        message.tensors.add(name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset, nbytes=t.nbytes)
+    for b in manifest.buckets:
+        message.buckets.add(index=b.index, offset=b.offset, nbytes=b.nbytes, sha256=b.sha256)
+
+
+def manifest_from_proto(message: types_pb2.WeightVersion) -> Manifest:
+    """Validate and convert the manifest of a WeightVersion message (InvalidArgument if inconsistent)."""
+    tensors = tuple(
+        TensorEntry(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in message.tensors
+    )
+    buckets = tuple(BucketEntry(b.index, b.offset, b.nbytes, b.sha256) for b in message.buckets)
+    if not tensors or not buckets:
+        raise InvalidArgument(f"weight version {message.version} has an empty manifest")
+    covered = sum(b.nbytes for b in buckets)
+    if covered != message.total_bytes:
+        raise InvalidArgument(f"buckets cover {covered} bytes but total_bytes is {message.total_bytes}")
+    for t in tensors:
+        dtype_from_name(t.dtype)
+        if t.offset + t.nbytes > message.total_bytes:
+            raise InvalidArgument(f"tensor {t.name} lies outside the weight buffer")
+    return Manifest(tensors, buckets, message.total_bytes)
+
+
+def build_manifest(state: Mapping[str, torch.Tensor], buffer: memoryview, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
+    """Pack `state` into `buffer` (sized with `packed_size(plan_layout(state))`) and checksum it."""
+    entries = plan_layout(state)
+    total = packed_size(entries)
+    pack_into(state, entries, buffer)
+    return Manifest(tuple(entries), tuple(checksum_buckets(buffer, total, bucket_bytes)), total)

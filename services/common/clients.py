@@ -15,6 +15,6 @@ def open_channel(address: str, max_message_bytes: int = CONTROL_MESSAGE_BYTES) -
     return grpc.aio.insecure_channel(address, options=grpc_options(max_message_bytes))
 
 
-async def wait_ready(channel: grpc.aio.Channel, timeout: float) -> None:
+async def wait_ready(channel: grpc.aio.Channel, timeout: float) -> None:  # noqa: ASYNC109 (the caller's deadline)
     """Wait until the channel connects (no sleeps), or raise TimeoutError."""
     await asyncio.wait_for(channel.channel_ready(), timeout)

@@ -4,7 +4,8 @@ Precedence (highest first): command-line flags > `GRPO_<SVC>__<FIELD>` environme
 the service's table in the run-config file > defaults. The run-config file is one TOML file with a
 table per service (`[scheduler]`, `[learner]`, `[rollout]`, `[env]`), given by `--config PATH` or
 `GRPO_CONFIG`, so one file describes a whole run. Nested fields use `__` in env vars
-(`GRPO_LEARNER__OPTIM__LR=1e-5`) and `.` on the command line (`--optim.lr 1e-5`).
+(`GRPO_LEARNER__OPTIM__LR=1e-5`) and `.` on the command line (`--optim.lr 1e-5`). Unknown fields are
+rejected from every source (an unknown `GRPO_<SVC>__X` variable too), so a typo never passes silently.
 """
 
 from __future__ import annotations
@@ -49,6 +50,21 @@ def _config_path_from_argv(argv: list[str]) -> Path | None:
     return Path(env) if env else None
 
 
+def _reject_unknown_env(settings_cls: type[BaseSettings]) -> None:
+    """pydantic-settings ignores unknown prefixed variables; a typo (`GRPO_LEARNER__LRR`) must fail."""
+    prefix = str(settings_cls.model_config.get("env_prefix") or "").upper()
+    if not prefix:
+        return
+    fields = {name.upper() for name in settings_cls.model_fields}
+    for key in os.environ:
+        if key.upper().startswith(prefix):
+            name = key[len(prefix) :].split("__", 1)[0].upper()
+            if name not in fields:
+                raise ValueError(
+                    f"environment variable {key}: {settings_cls.__name__} has no field {name.lower()!r}"
+                )
+
+
 class ServiceSettings(BaseSettings):
     """Fields every service has. Subclasses set `config_table` and `model_config(env_prefix=...)`."""
 
@@ -72,7 +88,9 @@ class ServiceSettings(BaseSettings):
         default=None, description="Write the bound port to this file once listening (for launchers)."
     )
     log_level: str = Field(default="INFO", description="Log level: DEBUG, INFO, WARNING, ERROR.")
-    grace_seconds: float = Field(default=5.0, description="On SIGTERM, in-flight RPCs get this long to finish.")
+    grace_seconds: float = Field(
+        default=5.0, description="On SIGTERM, in-flight RPCs get this long to finish."
+    )
     max_message_bytes: int = Field(
         default=CONTROL_MESSAGE_BYTES,
         description="Max gRPC message size, sent and received. Bulk data streams in ≤1 MiB chunks.",
@@ -90,6 +108,7 @@ class ServiceSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        _reject_unknown_env(settings_cls)
         path = init_settings.init_kwargs.get("config") or cls._config_path or _config_path_from_argv([])
         file_source = _RunConfigFileSource(settings_cls, Path(path) if path else None, cls.config_table)
         return init_settings, env_settings, file_source

@@ -11,6 +11,7 @@ only after `app.start()` returns, and both drop to NOT_SERVING while draining.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 import uuid
@@ -130,7 +131,9 @@ class RunningServer:
         return f"127.0.0.1:{self.port}"
 
     async def set_ready(self, ready: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in self.app.service_names:
             await self.health.set(name, status)
 
@@ -174,14 +177,32 @@ async def start_server(app: ServiceApp, settings: ServiceSettings) -> RunningSer
 
 
 async def serve_until_signalled(app: ServiceApp, settings: ServiceSettings) -> None:
-    """Run until SIGTERM/SIGINT, then stop gracefully."""
+    """Run until SIGTERM/SIGINT, then stop gracefully.
+
+    A signal during `app.start()` (e.g. a long model load) cancels the start; start_server then
+    closes the server and calls app.stop(), and the process exits cleanly instead of waiting.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    running = await start_server(app, settings)
+    starting = asyncio.create_task(start_server(app, settings))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("signalled while starting: cancelling start-up")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        log.info("stopped")
+        return
+    stopping.cancel()
+    running = starting.result()
     if settings.port_file:
-        settings.port_file.write_text(str(running.port))
+        # Atomic (write + rename): a launcher polling for the file never reads it half-written.
+        tmp = settings.port_file.with_name(settings.port_file.name + ".tmp")
+        tmp.write_text(str(running.port))
+        tmp.replace(settings.port_file)
     try:
         await stop.wait()
     finally:

@@ -94,12 +94,16 @@ def packed_size(entries: list[TensorEntry]) -> int:
 def pack_into(state: Mapping[str, torch.Tensor], entries: list[TensorEntry], buffer: memoryview) -> None:
     """Copy each tensor's bytes into `buffer` at its planned offset (CPU, contiguous)."""
     for entry in entries:
+        if entry.nbytes == 0:  # torch.frombuffer rejects count=0; nothing to copy
+            continue
         src = state[entry.name].detach().to("cpu").contiguous().reshape(-1)
         dst = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
         dst.copy_(src.view(torch.uint8))
 
 
-def checksum_buckets(buffer: memoryview, total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[BucketEntry]:
+def checksum_buckets(
+    buffer: memoryview, total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[BucketEntry]:
     """Split [0, total) into buckets and hash each one."""
     buckets = []
     for index, start in enumerate(range(0, total, bucket_bytes)):
@@ -114,20 +118,30 @@ def verify_buckets(buffer: memoryview, buckets: tuple[BucketEntry, ...] | list[B
     for bucket in buckets:
         got = hashlib.sha256(buffer[bucket.offset : bucket.offset + bucket.nbytes]).hexdigest()
         if got != bucket.sha256:
-            raise DataLoss(f"weight bucket {bucket.index} checksum mismatch: expected {bucket.sha256[:12]}…, got {got[:12]}…")
+            raise DataLoss(
+                f"weight bucket {bucket.index} checksum mismatch: "
+                f"expected {bucket.sha256[:12]}…, got {got[:12]}…"
+            )
 
 
-def iter_tensors(buffer: memoryview, tensors: tuple[TensorEntry, ...] | list[TensorEntry]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    buffer: memoryview, tensors: tuple[TensorEntry, ...] | list[TensorEntry]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) views over `buffer`, zero-copy; the caller keeps `buffer` alive while using them."""
     for entry in tensors:
         if entry.offset + entry.nbytes > len(buffer):
             raise InvalidArgument(f"tensor {entry.name} lies outside the weight buffer")
         dtype = dtype_from_name(entry.dtype)
+        if entry.nbytes == 0:
+            yield entry.name, torch.empty(entry.shape, dtype=dtype)
+            continue
         flat = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
         yield entry.name, flat.view(dtype).reshape(entry.shape)
 
 
-def chunk_ranges(buckets: list[BucketEntry] | tuple[BucketEntry, ...], chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, int, int]]:
+def chunk_ranges(
+    buckets: list[BucketEntry] | tuple[BucketEntry, ...], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[tuple[int, int, int]]:
     """(bucket index, offset, size) of each ≤ chunk_bytes slice, bucket by bucket."""
     for bucket in buckets:
         end = bucket.offset + bucket.nbytes
@@ -135,16 +149,23 @@ def chunk_ranges(buckets: list[BucketEntry] | tuple[BucketEntry, ...], chunk_byt
             yield bucket.index, start, min(chunk_bytes, end - start)
 
 
+_CREATED_HERE: set[str] = set()  # segments this process created (its tracker entry is the producer's)
+
+
 def create_segment(name: str, size: int) -> shared_memory.SharedMemory:
     """A new POSIX shared-memory segment owned (and later unlinked) by the caller."""
-    return shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+    segment = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+    _CREATED_HERE.add(segment._name)
+    return segment
 
 
 def attach_segment(name: str) -> shared_memory.SharedMemory:
     """Attach to a producer's segment without letting this process's resource tracker unlink it."""
     segment = shared_memory.SharedMemory(name=name, create=False)
     # Python < 3.13 registers attached segments too and would unlink the producer's memory at exit.
-    resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001
+    # When the producer is this same process, the one tracker entry is the producer's: keep it.
+    if segment._name not in _CREATED_HERE:
+        resource_tracker.unregister(segment._name, "shared_memory")
     return segment
 
 
@@ -159,23 +180,58 @@ def manifest_to_proto(manifest: Manifest, message: types_pb2.WeightVersion) -> N
 
 def manifest_from_proto(message: types_pb2.WeightVersion) -> Manifest:
     """Validate and convert the manifest of a WeightVersion message (InvalidArgument if inconsistent)."""
-    tensors = tuple(
-        TensorEntry(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in message.tensors
-    )
+    tensors = tuple(TensorEntry(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in message.tensors)
     buckets = tuple(BucketEntry(b.index, b.offset, b.nbytes, b.sha256) for b in message.buckets)
     if not tensors or not buckets:
         raise InvalidArgument(f"weight version {message.version} has an empty manifest")
-    covered = sum(b.nbytes for b in buckets)
-    if covered != message.total_bytes:
-        raise InvalidArgument(f"buckets cover {covered} bytes but total_bytes is {message.total_bytes}")
-    for t in tensors:
-        dtype_from_name(t.dtype)
-        if t.offset + t.nbytes > message.total_bytes:
-            raise InvalidArgument(f"tensor {t.name} lies outside the weight buffer")
+    _check_buckets(buckets, message.total_bytes)
+    _check_tensors(tensors, message.total_bytes)
     return Manifest(tensors, buckets, message.total_bytes)
 
 
-def build_manifest(state: Mapping[str, torch.Tensor], buffer: memoryview, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
+def _check_buckets(buckets: tuple[BucketEntry, ...], total: int) -> None:
+    """Buckets must tile [0, total) in order, numbered 0..n-1, each with a SHA-256 hex digest."""
+    expected_offset = 0
+    for position, b in enumerate(buckets):
+        if b.index != position:
+            raise InvalidArgument(f"bucket at position {position} has index {b.index}")
+        if b.offset != expected_offset or b.nbytes <= 0:
+            raise InvalidArgument(
+                f"bucket {b.index} covers [{b.offset}, {b.offset + b.nbytes}) but must start at "
+                f"{expected_offset} and be non-empty (buckets tile the buffer in order)"
+            )
+        if len(b.sha256) != 64:
+            raise InvalidArgument(f"bucket {b.index} sha256 must be 64 hex digits, got {b.sha256!r}")
+        expected_offset += b.nbytes
+    if expected_offset != total:
+        raise InvalidArgument(f"buckets cover {expected_offset} bytes but total_bytes is {total}")
+
+
+def _check_tensors(tensors: tuple[TensorEntry, ...], total: int) -> None:
+    """Names unique, dtype known, nbytes == numel × element size, bytes inside the buffer."""
+    seen: set[str] = set()
+    for t in tensors:
+        if t.name in seen:
+            raise InvalidArgument(f"tensor {t.name} appears twice in the manifest")
+        seen.add(t.name)
+        dtype = dtype_from_name(t.dtype)
+        if any(dim < 0 for dim in t.shape):
+            raise InvalidArgument(f"tensor {t.name} has a negative dimension: {list(t.shape)}")
+        numel = 1
+        for dim in t.shape:
+            numel *= dim
+        expected = numel * torch.empty((), dtype=dtype).element_size()
+        if t.nbytes != expected:
+            raise InvalidArgument(
+                f"tensor {t.name}: nbytes {t.nbytes} != {expected} for {t.dtype}{list(t.shape)}"
+            )
+        if t.offset + t.nbytes > total:
+            raise InvalidArgument(f"tensor {t.name} lies outside the weight buffer")
+
+
+def build_manifest(
+    state: Mapping[str, torch.Tensor], buffer: memoryview, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Manifest:
     """Pack `state` into `buffer` (sized with `packed_size(plan_layout(state))`) and checksum it."""
     entries = plan_layout(state)
     total = packed_size(entries)

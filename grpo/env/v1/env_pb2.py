@@ -25,27 +25,49 @@ _sym_db = _symbol_database.Default()
 from grpo.common.v1 import types_pb2 as grpo_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15grpo/env/v1/env.proto\x12\x0bgrpo.env.v1\x1a\x1agrpo/common/v1/types.proto\"\x1c\n\x1a\x44\x65scribeEnvironmentRequest\"}\n\x1b\x44\x65scribeEnvironmentResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x14\n\x0coptions_json\x18\x03 \x01(\t\x12\x12\n\ntrain_size\x18\x04 \x01(\x04\x12\x11\n\teval_size\x18\x05 \x01(\x04\"D\n\x14SamplePromptsRequest\x12\t\n\x01n\x18\x01 \x01(\r\x12!\n\x05split\x18\x02 \x01(\x0e\x32\x12.grpo.env.v1.Split\"@\n\x15SamplePromptsResponse\x12\'\n\x07prompts\x18\x01 \x03(\x0b\x32\x16.grpo.common.v1.Prompt\"r\n\x17ScoreCompletionsRequest\x12&\n\x06prompt\x18\x01 \x01(\x0b\x32\x16.grpo.common.v1.Prompt\x12/\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1a.grpo.common.v1.Completion\"]\n\x18ScoreCompletionsResponse\x12\x0f\n\x07rewards\x18\x01 \x03(\x02\x12\x30\n\x0creward_infos\x18\x02 \x03(\x0b\x32\x1a.grpo.common.v1.RewardInfo*?\n\x05Split\x12\x15\n\x11SPLIT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSPLIT_TRAIN\x10\x01\x12\x0e\n\nSPLIT_EVAL\x10\x02\x32\xb7\x02\n\x12\x45nvironmentService\x12h\n\x13\x44\x65scribeEnvironment\x12\'.grpo.env.v1.DescribeEnvironmentRequest\x1a(.grpo.env.v1.DescribeEnvironmentResponse\x12V\n\rSamplePrompts\x12!.grpo.env.v1.SamplePromptsRequest\x1a\".grpo.env.v1.SamplePromptsResponse\x12_\n\x10ScoreCompletions\x12$.grpo.env.v1.ScoreCompletionsRequest\x1a%.grpo.env.v1.ScoreCompletionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15grpo/env/v1/env.proto\x12\x0bgrpo.env.v1\x1a\x1agrpo/common/v1/types.proto\"\x1c\n\x1a\x44\x65scribeEnvironmentRequest\"\xab\x02\n\x1b\x44\x65scribeEnvironmentResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x14\n\x0coptions_json\x18\x03 \x01(\t\x12\x12\n\ntrain_size\x18\x04 \x01(\x04\x12\x11\n\teval_size\x18\x05 \x01(\x04\x12\x32\n\x0e\x66\x61ilure_policy\x18\x06 \x01(\x0e\x32\x1a.grpo.env.v1.FailurePolicy\x12\x16\n\x0e\x66\x61ilure_reward\x18\x07 \x01(\x02\x12\x1d\n\x15score_timeout_seconds\x18\x08 \x01(\x01\x12\x12\n\nreward_min\x18\t \x01(\x01\x12\x12\n\nreward_max\x18\n \x01(\x01\x12\x19\n\x11success_threshold\x18\x0b \x01(\x01\"b\n\x14SamplePromptsRequest\x12\t\n\x01n\x18\x01 \x01(\r\x12!\n\x05split\x18\x02 \x01(\x0e\x32\x12.grpo.env.v1.Split\x12\x12\n\x05start\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x08\n\x06_start\"W\n\x15SamplePromptsResponse\x12\'\n\x07prompts\x18\x01 \x03(\x0b\x32\x16.grpo.common.v1.Prompt\x12\x15\n\rnext_position\x18\x02 \x01(\x04\"r\n\x17ScoreCompletionsRequest\x12&\n\x06prompt\x18\x01 \x01(\x0b\x32\x16.grpo.common.v1.Prompt\x12/\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1a.grpo.common.v1.Completion\"\x87\x01\n\x18ScoreCompletionsResponse\x12\x0f\n\x07rewards\x18\x01 \x03(\x02\x12\x30\n\x0creward_infos\x18\x02 \x03(\x0b\x32\x1a.grpo.common.v1.RewardInfo\x12\x12\n\nskip_group\x18\x03 \x01(\x08\x12\x14\n\x0c\x66\x61iled_count\x18\x04 \x01(\r\"U\n\x1dScoreCompletionsStreamRequest\x12\x34\n\x06groups\x18\x01 \x03(\x0b\x32$.grpo.env.v1.ScoreCompletionsRequest\"f\n\x1eScoreCompletionsStreamResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x35\n\x06result\x18\x02 \x01(\x0b\x32%.grpo.env.v1.ScoreCompletionsResponse\"G\n\x0f\x45valuateRequest\x12\x34\n\x06groups\x18\x01 \x03(\x0b\x32$.grpo.env.v1.ScoreCompletionsRequest\"\xb7\x01\n\x10\x45valuateResponse\x12;\n\x07metrics\x18\x01 \x03(\x0b\x32*.grpo.env.v1.EvaluateResponse.MetricsEntry\x12\x36\n\x07results\x18\x02 \x03(\x0b\x32%.grpo.env.v1.ScoreCompletionsResponse\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1c\n\x1aGetEnvironmentStateRequest\"\xc4\x01\n\x1bGetEnvironmentStateResponse\x12\x46\n\x07metrics\x18\x01 \x03(\x0b\x32\x35.grpo.env.v1.GetEnvironmentStateResponse.MetricsEntry\x12\x16\n\x0etrain_position\x18\x02 \x01(\x04\x12\x15\n\reval_position\x18\x03 \x01(\x04\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*o\n\rFailurePolicy\x12\x1e\n\x1a\x46\x41ILURE_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x46\x41ILURE_POLICY_SKIP_GROUP\x10\x01\x12\x1f\n\x1b\x46\x41ILURE_POLICY_ASSIGN_VALUE\x10\x02*?\n\x05Split\x12\x15\n\x11SPLIT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSPLIT_TRAIN\x10\x01\x12\x0e\n\nSPLIT_EVAL\x10\x02\x32\xdf\x04\n\x12\x45nvironmentService\x12h\n\x13\x44\x65scribeEnvironment\x12\'.grpo.env.v1.DescribeEnvironmentRequest\x1a(.grpo.env.v1.DescribeEnvironmentResponse\x12V\n\rSamplePrompts\x12!.grpo.env.v1.SamplePromptsRequest\x1a\".grpo.env.v1.SamplePromptsResponse\x12_\n\x10ScoreCompletions\x12$.grpo.env.v1.ScoreCompletionsRequest\x1a%.grpo.env.v1.ScoreCompletionsResponse\x12s\n\x16ScoreCompletionsStream\x12*.grpo.env.v1.ScoreCompletionsStreamRequest\x1a+.grpo.env.v1.ScoreCompletionsStreamResponse0\x01\x12G\n\x08\x45valuate\x12\x1c.grpo.env.v1.EvaluateRequest\x1a\x1d.grpo.env.v1.EvaluateResponse\x12h\n\x13GetEnvironmentState\x12\'.grpo.env.v1.GetEnvironmentStateRequest\x1a(.grpo.env.v1.GetEnvironmentStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'grpo.env.v1.env_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPLIT']._serialized_start=570
-  _globals['_SPLIT']._serialized_end=633
+  _globals['_EVALUATERESPONSE_METRICSENTRY']._loaded_options = None
+  _globals['_EVALUATERESPONSE_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_GETENVIRONMENTSTATERESPONSE_METRICSENTRY']._loaded_options = None
+  _globals['_GETENVIRONMENTSTATERESPONSE_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_FAILUREPOLICY']._serialized_start=1520
+  _globals['_FAILUREPOLICY']._serialized_end=1631
+  _globals['_SPLIT']._serialized_start=1633
+  _globals['_SPLIT']._serialized_end=1696
   _globals['_DESCRIBEENVIRONMENTREQUEST']._serialized_start=66
   _globals['_DESCRIBEENVIRONMENTREQUEST']._serialized_end=94
-  _globals['_DESCRIBEENVIRONMENTRESPONSE']._serialized_start=96
-  _globals['_DESCRIBEENVIRONMENTRESPONSE']._serialized_end=221
-  _globals['_SAMPLEPROMPTSREQUEST']._serialized_start=223
-  _globals['_SAMPLEPROMPTSREQUEST']._serialized_end=291
-  _globals['_SAMPLEPROMPTSRESPONSE']._serialized_start=293
-  _globals['_SAMPLEPROMPTSRESPONSE']._serialized_end=357
-  _globals['_SCORECOMPLETIONSREQUEST']._serialized_start=359
-  _globals['_SCORECOMPLETIONSREQUEST']._serialized_end=473
-  _globals['_SCORECOMPLETIONSRESPONSE']._serialized_start=475
-  _globals['_SCORECOMPLETIONSRESPONSE']._serialized_end=568
-  _globals['_ENVIRONMENTSERVICE']._serialized_start=636
-  _globals['_ENVIRONMENTSERVICE']._serialized_end=947
+  _globals['_DESCRIBEENVIRONMENTRESPONSE']._serialized_start=97
+  _globals['_DESCRIBEENVIRONMENTRESPONSE']._serialized_end=396
+  _globals['_SAMPLEPROMPTSREQUEST']._serialized_start=398
+  _globals['_SAMPLEPROMPTSREQUEST']._serialized_end=496
+  _globals['_SAMPLEPROMPTSRESPONSE']._serialized_start=498
+  _globals['_SAMPLEPROMPTSRESPONSE']._serialized_end=585
+  _globals['_SCORECOMPLETIONSREQUEST']._serialized_start=587
+  _globals['_SCORECOMPLETIONSREQUEST']._serialized_end=701
+  _globals['_SCORECOMPLETIONSRESPONSE']._serialized_start=704
+  _globals['_SCORECOMPLETIONSRESPONSE']._serialized_end=839
+  _globals['_SCORECOMPLETIONSSTREAMREQUEST']._serialized_start=841
+  _globals['_SCORECOMPLETIONSSTREAMREQUEST']._serialized_end=926
+  _globals['_SCORECOMPLETIONSSTREAMRESPONSE']._serialized_start=928
+  _globals['_SCORECOMPLETIONSSTREAMRESPONSE']._serialized_end=1030
+  _globals['_EVALUATEREQUEST']._serialized_start=1032
+  _globals['_EVALUATEREQUEST']._serialized_end=1103
+  _globals['_EVALUATERESPONSE']._serialized_start=1106
+  _globals['_EVALUATERESPONSE']._serialized_end=1289
+  _globals['_EVALUATERESPONSE_METRICSENTRY']._serialized_start=1243
+  _globals['_EVALUATERESPONSE_METRICSENTRY']._serialized_end=1289
+  _globals['_GETENVIRONMENTSTATEREQUEST']._serialized_start=1291
+  _globals['_GETENVIRONMENTSTATEREQUEST']._serialized_end=1319
+  _globals['_GETENVIRONMENTSTATERESPONSE']._serialized_start=1322
+  _globals['_GETENVIRONMENTSTATERESPONSE']._serialized_end=1518
+  _globals['_GETENVIRONMENTSTATERESPONSE_METRICSENTRY']._serialized_start=1243
+  _globals['_GETENVIRONMENTSTATERESPONSE_METRICSENTRY']._serialized_end=1289
+  _globals['_ENVIRONMENTSERVICE']._serialized_start=1699
+  _globals['_ENVIRONMENTSERVICE']._serialized_end=2306
 # @@protoc_insertion_point(module_scope)

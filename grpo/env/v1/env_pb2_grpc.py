@@ -49,6 +49,21 @@ class EnvironmentServiceStub:
                 request_serializer=grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsRequest.SerializeToString,
                 response_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsResponse.FromString,
                 _registered_method=True)
+        self.ScoreCompletionsStream = channel.unary_stream(
+                '/grpo.env.v1.EnvironmentService/ScoreCompletionsStream',
+                request_serializer=grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsStreamRequest.SerializeToString,
+                response_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsStreamResponse.FromString,
+                _registered_method=True)
+        self.Evaluate = channel.unary_unary(
+                '/grpo.env.v1.EnvironmentService/Evaluate',
+                request_serializer=grpo_dot_env_dot_v1_dot_env__pb2.EvaluateRequest.SerializeToString,
+                response_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.EvaluateResponse.FromString,
+                _registered_method=True)
+        self.GetEnvironmentState = channel.unary_unary(
+                '/grpo.env.v1.EnvironmentService/GetEnvironmentState',
+                request_serializer=grpo_dot_env_dot_v1_dot_env__pb2.GetEnvironmentStateRequest.SerializeToString,
+                response_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.GetEnvironmentStateResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServiceServicer:
@@ -75,6 +90,29 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreCompletionsStream(self, request, context):
+        """Score many groups at once; one message per group is streamed back as soon as it is scored
+        (in completion order, tagged with its index in the request).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evaluate(self, request, context):
+        """Score held-out (eval split) groups and aggregate: accuracy, mean reward, pass@k, failures and
+        the environment's own metrics. The caller samples the prompts and generates the completions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetEnvironmentState(self, request, context):
+        """Counters (scored completions, failures by kind, worker restarts) and the split cursors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +130,21 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.ScoreCompletions,
                     request_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsRequest.FromString,
                     response_serializer=grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsResponse.SerializeToString,
+            ),
+            'ScoreCompletionsStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.ScoreCompletionsStream,
+                    request_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsStreamRequest.FromString,
+                    response_serializer=grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsStreamResponse.SerializeToString,
+            ),
+            'Evaluate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evaluate,
+                    request_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.EvaluateRequest.FromString,
+                    response_serializer=grpo_dot_env_dot_v1_dot_env__pb2.EvaluateResponse.SerializeToString,
+            ),
+            'GetEnvironmentState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEnvironmentState,
+                    request_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.GetEnvironmentStateRequest.FromString,
+                    response_serializer=grpo_dot_env_dot_v1_dot_env__pb2.GetEnvironmentStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +228,87 @@ class EnvironmentService:
             '/grpo.env.v1.EnvironmentService/ScoreCompletions',
             grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsRequest.SerializeToString,
             grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreCompletionsStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/grpo.env.v1.EnvironmentService/ScoreCompletionsStream',
+            grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsStreamRequest.SerializeToString,
+            grpo_dot_env_dot_v1_dot_env__pb2.ScoreCompletionsStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evaluate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo.env.v1.EnvironmentService/Evaluate',
+            grpo_dot_env_dot_v1_dot_env__pb2.EvaluateRequest.SerializeToString,
+            grpo_dot_env_dot_v1_dot_env__pb2.EvaluateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEnvironmentState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo.env.v1.EnvironmentService/GetEnvironmentState',
+            grpo_dot_env_dot_v1_dot_env__pb2.GetEnvironmentStateRequest.SerializeToString,
+            grpo_dot_env_dot_v1_dot_env__pb2.GetEnvironmentStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,56 @@
+# grpo-mesh developer entry points. Everything runs from the project virtualenv (.venv), which
+# `make install` creates and keeps in sync with pyproject.toml (scripts/install.sh; a no-op when current).
+#
+#   make demo [STEPS=N] [RUN_DIR=runs/x] [ARGS="..."]   end-to-end run on this machine
+#   make test [PYTEST_ARGS="-m 'not slow'"]             the test suite (CI: .ci/run)
+#   make up [PROFILE=gpu]                               the four services in Docker Compose
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV := .venv
+PY := $(VENV)/bin/python
+RUFF := $(VENV)/bin/ruff
+BUF := $(VENV)/bin/buf
+PROFILE ?= cpu
+PY_DIRS := services tests scripts
+
+# Passed to the launcher only when set, so its own defaults apply otherwise.
+DEMO_FLAGS := $(if $(STEPS),--steps $(STEPS)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)
+
+.PHONY: help install demo test proto lint format up clean
+
+help: ## List the targets.
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 10
+
+install: ## Create/refresh .venv (idempotent; CPU or GPU build chosen by nvidia-smi).
+	bash scripts/install.sh
+
+demo: install ## Train end to end on this machine (STEPS=, RUN_DIR=, ARGS=).
+	$(PY) -m services.launch demo $(DEMO_FLAGS)
+
+test: install ## Run the test suite; collecting no tests is a failure.
+	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
+	if [[ $$rc -eq 5 ]]; then echo "make test: pytest collected no tests" >&2; rc=1; fi; \
+	exit $$rc
+
+proto: ## Regenerate grpo/ from protos/ and lint the protos.
+	$(PY) scripts/gen_protos.py
+	cd protos && ../$(BUF) lint
+
+lint: ## ruff check, ruff format --check, buf lint.
+	$(RUFF) check $(PY_DIRS)
+	$(RUFF) format --check $(PY_DIRS)
+	cd protos && ../$(BUF) lint
+
+format: ## Apply ruff fixes and formatting.
+	$(RUFF) check --fix $(PY_DIRS)
+	$(RUFF) format $(PY_DIRS)
+
+up: ## docker compose up (PROFILE=cpu, or PROFILE=gpu).
+	docker compose --profile $(PROFILE) up --build
+
+clean: ## Remove caches and build artefacts (keeps .venv and runs/).
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+	rm -rf .pytest_cache .ruff_cache build

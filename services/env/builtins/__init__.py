@@ -1,0 +1,1 @@
+"""Built-in environments: arithmetic (default), gsm8k, reasoning_gym:<task>."""

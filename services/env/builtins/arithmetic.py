@@ -1,0 +1,135 @@
+"""The `arithmetic` built-in: procedural integer arithmetic, the embedded default task.
+
+The format is fixed because the tiny test model is warm-started on it: the prompt is the expression
+with no spaces followed by "=" (e.g. "37+45="), the expected completion is the exact integer result
+(e.g. "82", or "-8") followed by EOS. Scoring strips whitespace, takes the leading integer
+(`^-?\\d+`) of the completion and gives 1.0 on an exact match, else 0.0 — or, with
+`partial_credit`, the fraction of right-aligned characters (sign included) that match.
+
+`make_problem` and `score_answer` are pure functions so the tiny-model builder and the tests can use
+them without the service.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from services.env.base import Environment, PromptItem, Score, SplitName
+
+_ALLOWED_OPERATORS = "+-*"
+_LEADING_INT = re.compile(r"^-?\d+")
+
+
+class ArithmeticOptions(BaseModel):
+    """Difficulty knobs and split settings of the arithmetic task."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    digits: int = Field(default=2, ge=1, le=9, description="Each operand has at most this many digits.")
+    terms: int = Field(default=2, ge=2, le=8, description="Number of operands in the expression.")
+    operators: str = Field(default="+-", description="Operators to draw from, any of '+', '-', '*'.")
+    partial_credit: bool = Field(
+        default=False, description="Give a fraction of matching digits instead of 0 for wrong answers."
+    )
+    seed: int = Field(default=0, description="Seed of the train stream (the eval split uses a derived seed).")
+    eval_size: int = Field(default=200, ge=0, description="Number of held-out eval problems.")
+
+    @field_validator("operators")
+    @classmethod
+    def _check_operators(cls, value: str) -> str:
+        if not value:
+            raise ValueError("operators must not be empty")
+        bad = sorted(set(value) - set(_ALLOWED_OPERATORS))
+        if bad:
+            raise ValueError(f"unsupported operator(s) {bad!r}; allowed: {_ALLOWED_OPERATORS!r}")
+        return value
+
+
+def _evaluate(operands: list[int], ops: list[str]) -> int:
+    """Evaluate with the usual precedence (* before + and -), left to right otherwise."""
+    terms: list[int] = [operands[0]]
+    signs: list[int] = [1]
+    for op, value in zip(ops, operands[1:], strict=True):
+        if op == "*":
+            terms[-1] *= value
+        else:
+            terms.append(value)
+            signs.append(1 if op == "+" else -1)
+    return sum(sign * term for sign, term in zip(signs, terms, strict=True))
+
+
+def make_problem(rng: random.Random, options: ArithmeticOptions) -> tuple[str, str]:
+    """Draw one problem: (prompt_text like "37+45=", answer_text like "82" or "-8")."""
+    high = 10**options.digits - 1
+    operands = [rng.randint(0, high) for _ in range(options.terms)]
+    ops = [rng.choice(options.operators) for _ in range(options.terms - 1)]
+    expression = str(operands[0]) + "".join(
+        op + str(value) for op, value in zip(ops, operands[1:], strict=True)
+    )
+    return expression + "=", str(_evaluate(operands, ops))
+
+
+def parse_answer(completion: str) -> str | None:
+    """The leading integer of the completion after stripping whitespace, or None."""
+    match = _LEADING_INT.match(completion.strip())
+    return match.group(0) if match else None
+
+
+def _partial(predicted: str, answer: str) -> float:
+    """Fraction of right-aligned characters (digits and sign) that agree, over the longer length."""
+    width = max(len(predicted), len(answer))
+    matches = sum(1 for a, b in zip(reversed(predicted), reversed(answer), strict=False) if a == b)
+    return matches / width
+
+
+def score_answer(completion: str, answer: str, partial_credit: bool = False) -> tuple[float, str | None]:
+    """Reward of one completion and the parsed answer (None if no leading integer)."""
+    predicted = parse_answer(completion)
+    if predicted is None:
+        return 0.0, None
+    if int(predicted) == int(answer):
+        return 1.0, predicted
+    return (_partial(predicted, answer) if partial_credit else 0.0), predicted
+
+
+def _problem_rng(seed: int, split: str, index: int) -> random.Random:
+    """Independent stream per (seed, split, index): positions are resumable and splits disjoint-seeded."""
+    return random.Random(f"arithmetic/{seed}/{split}/{index}")
+
+
+def problem_at(options: ArithmeticOptions, split: str, index: int) -> tuple[str, str]:
+    """The index-th problem of a split (deterministic, random access)."""
+    return make_problem(_problem_rng(options.seed, split, index), options)
+
+
+class ArithmeticEnv(Environment):
+    """Procedural integer arithmetic; the eval split is the first `eval_size` problems of its own stream."""
+
+    name: ClassVar[str] = "arithmetic"
+    description: ClassVar[str] = "Procedural integer arithmetic ('37+45=' -> '82'), exact-match reward."
+    Options: ClassVar[type[BaseModel]] = ArithmeticOptions
+    reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
+
+    def __init__(self, options: ArithmeticOptions | None = None) -> None:
+        super().__init__(options)
+        self.opts: ArithmeticOptions = self.options  # type: ignore[assignment]
+
+    def split_size(self, split: SplitName) -> int:
+        return 0 if split == "train" else self.opts.eval_size
+
+    def prompt_at(self, split: SplitName, index: int) -> PromptItem:
+        text, answer = problem_at(self.opts, split, index)
+        return PromptItem(id=f"arithmetic-{split}-{index}", text=text, reference_answer=answer)
+
+    def score_one(self, prompt: PromptItem, completion: str) -> Score:
+        reward, parsed = score_answer(completion, prompt.reference_answer, self.opts.partial_credit)
+        details = {} if parsed is not None else {"reason": "no leading integer"}
+        return Score(reward=reward, parsed_answer=parsed or "", details=details)
+
+    def wrong_answers(self, prompt: PromptItem) -> list[str]:
+        answer = int(prompt.reference_answer)
+        return [str(answer + 1), "", "x" + str(answer)]

@@ -1,0 +1,265 @@
+"""Isolated scoring: a small pool of worker processes, each holding its own copy of the environment.
+
+Why processes: reward code is user code. It may be CPU-heavy, block, hang forever or crash the
+interpreter; none of that may touch the service's event loop. Each worker is a `spawn`ed process that
+rebuilds the environment from its `EnvRecipe`, calls `setup_scorer()` once, then serves one
+`score(prompt, completions)` call at a time over a pipe.
+
+Per call the parent waits at most `timeout` seconds. A worker that times out or dies is killed through
+its own process handle and replaced; the call's completions become failures ("timeout", "crash").
+An exception inside `score` fails the whole call ("exception"); `validate_scores` turns wrong-length
+output, None, non-finite and out-of-range rewards into per-completion failures. Nothing here raises
+for a scorer fault: the caller always gets one `Score` per completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import math
+import multiprocessing
+import multiprocessing.connection
+import signal
+import traceback
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from services.common.errors import ResourceExhausted
+from services.common.logging import get_logger
+from services.env.base import PromptItem, Score, as_score
+from services.env.loader import EnvLoadError, EnvRecipe, load_environment
+
+log = get_logger(__name__)
+
+
+def failure(kind: str, message: str) -> Score:
+    """A failed score of the given kind (the kind is also what the failure metrics are keyed by)."""
+    return Score(reward=None, failure=f"{kind}: {message}", details={"failure_kind": kind})
+
+
+def validate_scores(raw: Any, n: int, reward_range: tuple[float, float]) -> list[Score]:
+    """Exactly `n` scores: wrong shapes, None, non-finite and out-of-range rewards become failures."""
+    try:
+        items = list(raw)
+    except TypeError:
+        return [
+            failure("bad_output", f"scorer returned {type(raw).__name__}, expected a list") for _ in range(n)
+        ]
+    if len(items) != n:
+        return [
+            failure("bad_output", f"scorer returned {len(items)} scores for {n} completions")
+            for _ in range(n)
+        ]
+    low, high = reward_range
+    scores: list[Score] = []
+    for item in items:
+        score = as_score(item)
+        if score.failure:
+            score.details.setdefault("failure_kind", "scorer")
+        elif score.reward is None:
+            score = failure("no_reward", "scorer returned no reward")
+        elif not math.isfinite(score.reward):
+            score = failure("non_finite", f"reward {score.reward!r} is not finite")
+        elif not low <= score.reward <= high:
+            score = failure("out_of_range", f"reward {score.reward!r} outside [{low}, {high}]")
+        scores.append(score)
+    return scores
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, recipe: EnvRecipe) -> None:
+    """Entry point of a scoring worker process."""
+    # The parent owns this process's lifecycle; a terminal Ctrl-C must not kill it mid-reply.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        env = load_environment(recipe)
+        env.setup_scorer()
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", env.reward_range))
+    loop = asyncio.new_event_loop()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        prompt, completions = message
+        try:
+            result = env.score(prompt, completions)
+            if inspect.isawaitable(result):
+                result = loop.run_until_complete(result)
+            reply: tuple[str, Any] = ("ok", [as_score(s) for s in result])
+        except Exception as exc:
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            reply = ("error", f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
+        try:
+            conn.send(reply)
+        except Exception as exc:  # an unpicklable result
+            conn.send(("error", f"could not send the scores back: {type(exc).__name__}: {exc}"))
+
+
+class _Worker:
+    """One scoring process and the parent's end of its pipe. All methods block: call them in a thread."""
+
+    def __init__(self, recipe: EnvRecipe, startup_timeout: float) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child, recipe), daemon=True, name="env-scorer")
+        self.process.start()
+        child.close()
+        if not self.conn.poll(startup_timeout):
+            self.kill()
+            raise EnvLoadError(f"scoring worker did not start within {startup_timeout:g}s")
+        try:
+            status, payload = self.conn.recv()
+        except EOFError:
+            self.kill()
+            raise EnvLoadError("scoring worker died while loading the environment") from None
+        if status != "ready":
+            self.kill()
+            raise EnvLoadError(f"scoring worker could not load the environment: {payload}")
+        self.reward_range: tuple[float, float] = payload
+
+    def call(self, prompt: PromptItem, completions: list[str], timeout: float) -> tuple[str, Any]:
+        """("ok", scores) | ("error", message) | ("timeout", message) | ("crash", message)."""
+        try:
+            self.conn.send((prompt, completions))
+            if not self.conn.poll(timeout):
+                self.kill()
+                return "timeout", f"scoring took longer than {timeout:g}s; worker killed and replaced"
+            return self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError) as exc:
+            self.kill()
+            return "crash", f"scoring worker died (exit code {self.process.exitcode}): {type(exc).__name__}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive() and not self.conn.closed
+
+    def kill(self) -> None:
+        """Kill this worker through its own process handle."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        """Ask the worker to exit, then make sure it did."""
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(None)
+        self.process.join(2)
+        self.kill()
+
+
+class ScoringPool:
+    """`workers` scoring processes behind an async interface; at most `max_pending` calls wait for one."""
+
+    def __init__(
+        self,
+        recipe: EnvRecipe,
+        *,
+        workers: int = 1,
+        timeout: float = 10.0,
+        startup_timeout: float = 120.0,
+        max_pending: int = 256,
+        reward_range: tuple[float | None, float | None] = (None, None),
+    ) -> None:
+        self.recipe = recipe
+        self.size = workers
+        self.timeout = timeout
+        self.startup_timeout = startup_timeout
+        self.max_pending = max_pending
+        self.reward_range: tuple[float, float] = (-math.inf, math.inf)
+        self._range_override = reward_range
+        self.counters: Counter[str] = Counter()
+        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self._workers: set[_Worker] = set()
+        self._pending = 0
+        self._tasks: set[asyncio.Task[list[Score]]] = set()
+
+    async def start(self) -> None:
+        """Start every worker (they load the environment); raises EnvLoadError if they cannot."""
+        workers = await asyncio.gather(
+            *(asyncio.to_thread(_Worker, self.recipe, self.startup_timeout) for _ in range(self.size)),
+            return_exceptions=True,
+        )
+        errors = [w for w in workers if isinstance(w, BaseException)]
+        for worker in workers:
+            if isinstance(worker, _Worker):
+                self._workers.add(worker)
+                self._idle.put_nowait(worker)
+                low, high = worker.reward_range
+                override_low, override_high = self._range_override
+                self.reward_range = (
+                    low if override_low is None else override_low,
+                    high if override_high is None else override_high,
+                )
+        if errors:
+            await self.close()
+            raise errors[0]
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in self._workers))
+        self._workers.clear()
+
+    async def score(self, prompt: PromptItem, completions: Sequence[str]) -> list[Score]:
+        """One validated Score per completion; scorer faults come back as failures, never as exceptions."""
+        if not completions:
+            return []
+        if self._pending >= self.max_pending:
+            raise ResourceExhausted(f"{self._pending} scoring calls already waiting (max {self.max_pending})")
+        self._pending += 1
+        # The call owns its worker until the worker is free again, even if our caller is cancelled.
+        task = asyncio.ensure_future(self._run(prompt, list(completions)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            return await asyncio.shield(task)
+        finally:
+            self._pending -= 1
+
+    async def _run(self, prompt: PromptItem, completions: list[str]) -> list[Score]:
+        worker = await self._idle.get()
+        try:
+            status, payload = await asyncio.to_thread(worker.call, prompt, completions, self.timeout)
+        except BaseException:
+            worker.kill()
+            raise
+        finally:
+            if not worker.alive:
+                await self._replace(worker)
+            else:
+                self._idle.put_nowait(worker)
+        n = len(completions)
+        if status == "ok":
+            scores = validate_scores(payload, n, self.reward_range)
+        else:
+            kind = "exception" if status == "error" else status
+            log.warning("scoring failed", kind=kind, error=payload, prompt_id=prompt.id)
+            scores = [failure(kind, payload) for _ in range(n)]
+        self.counters["scored_completions"] += n
+        for score in scores:
+            if score.failure:
+                self.counters[f"failures.{score.details.get('failure_kind', 'exception')}"] += 1
+        return scores
+
+    async def _replace(self, dead: _Worker) -> None:
+        """Swap a killed/dead worker for a fresh one; retried until it starts (the pool never shrinks)."""
+        self._workers.discard(dead)
+        self.counters["worker_restarts"] += 1
+        while True:
+            try:
+                worker = await asyncio.to_thread(_Worker, self.recipe, self.startup_timeout)
+            except EnvLoadError as exc:
+                log.error("scoring worker restart failed; retrying", error=str(exc))
+                await asyncio.sleep(1.0)
+                continue
+            self._workers.add(worker)
+            self._idle.put_nowait(worker)
+            return

@@ -1,0 +1,137 @@
+"""gRPC EnvironmentService: translates protos ↔ domain objects and calls EnvService. No logic here."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator
+
+from grpo.common.v1 import types_pb2
+from grpo.env.v1 import env_pb2, env_pb2_grpc
+from services.common.errors import InvalidArgument
+from services.env.base import PromptItem, Score, SplitName
+from services.env.service import EnvService, ScoredGroupOutcome, ScoreJob
+
+_SPLITS: dict[int, SplitName] = {
+    env_pb2.SPLIT_UNSPECIFIED: "train",
+    env_pb2.SPLIT_TRAIN: "train",
+    env_pb2.SPLIT_EVAL: "eval",
+}
+_POLICIES = {
+    "skip_group": env_pb2.FAILURE_POLICY_SKIP_GROUP,
+    "assign_value": env_pb2.FAILURE_POLICY_ASSIGN_VALUE,
+}
+
+
+def prompt_to_proto(item: PromptItem, env_name: str) -> types_pb2.Prompt:
+    prompt = types_pb2.Prompt(
+        id=item.id, env_name=env_name, text=item.text, reference_answer=item.reference_answer
+    )
+    for message in item.messages:
+        prompt.messages.add(role=message["role"], content=message["content"])
+    prompt.metadata.update(item.metadata)
+    return prompt
+
+
+def prompt_from_proto(prompt: types_pb2.Prompt) -> PromptItem:
+    return PromptItem(
+        id=prompt.id,
+        text=prompt.text,
+        messages=tuple({"role": m.role, "content": m.content} for m in prompt.messages),
+        reference_answer=prompt.reference_answer,
+        metadata=dict(prompt.metadata),
+    )
+
+
+def reward_info(score: Score) -> types_pb2.RewardInfo:
+    ok = not score.failure and score.reward is not None
+    info = types_pb2.RewardInfo(ok=ok, failure=score.failure, parsed_answer=score.parsed_answer)
+    info.details.update({str(k): str(v) for k, v in score.details.items()})
+    return info
+
+
+def outcome_to_proto(outcome: ScoredGroupOutcome) -> env_pb2.ScoreCompletionsResponse:
+    return env_pb2.ScoreCompletionsResponse(
+        rewards=outcome.rewards,
+        reward_infos=[reward_info(s) for s in outcome.scores],
+        skip_group=outcome.skip_group,
+        failed_count=outcome.failed_count,
+    )
+
+
+def job_from_proto(
+    service: EnvService, request: env_pb2.ScoreCompletionsRequest, where: str = ""
+) -> ScoreJob:
+    if not request.HasField("prompt"):
+        raise InvalidArgument(f"{where}prompt is required")
+    if not service.env_name_matches(request.prompt.env_name):
+        raise InvalidArgument(
+            f"{where}prompt {request.prompt.id!r} is from environment {request.prompt.env_name!r}, "
+            f"this service serves {service.name!r}"
+        )
+    return ScoreJob(
+        prompt=prompt_from_proto(request.prompt),
+        completions=[c.text for c in request.completions],
+        completion_prompt_ids=[c.prompt_id for c in request.completions],
+    )
+
+
+def _jobs(service: EnvService, groups: list[env_pb2.ScoreCompletionsRequest]) -> list[ScoreJob]:
+    return [job_from_proto(service, group, f"group {i}: ") for i, group in enumerate(groups)]
+
+
+class EnvironmentServicer(env_pb2_grpc.EnvironmentServiceServicer):
+    def __init__(self, service: EnvService) -> None:
+        self.service = service
+
+    async def DescribeEnvironment(self, request, context) -> env_pb2.DescribeEnvironmentResponse:
+        d = self.service.describe()
+        low, high = d["reward_range"]
+        return env_pb2.DescribeEnvironmentResponse(
+            name=d["name"],
+            description=d["description"],
+            options_json=json.dumps(d["options"], sort_keys=True),
+            train_size=d["train_size"],
+            eval_size=d["eval_size"],
+            failure_policy=_POLICIES[d["failure_policy"]],
+            failure_reward=d["failure_reward"],
+            score_timeout_seconds=d["score_timeout_seconds"],
+            reward_min=low if math.isfinite(low) else -math.inf,
+            reward_max=high if math.isfinite(high) else math.inf,
+            success_threshold=d["success_threshold"],
+        )
+
+    async def SamplePrompts(self, request, context) -> env_pb2.SamplePromptsResponse:
+        if request.split not in _SPLITS:
+            raise InvalidArgument(f"unknown split {request.split}")
+        start = request.start if request.HasField("start") else None
+        items, next_position = await self.service.sample(request.n, _SPLITS[request.split], start)
+        return env_pb2.SamplePromptsResponse(
+            prompts=[prompt_to_proto(item, self.service.name) for item in items], next_position=next_position
+        )
+
+    async def ScoreCompletions(self, request, context) -> env_pb2.ScoreCompletionsResponse:
+        outcome = await self.service.score(job_from_proto(self.service, request))
+        return outcome_to_proto(outcome)
+
+    async def ScoreCompletionsStream(
+        self, request, context
+    ) -> AsyncIterator[env_pb2.ScoreCompletionsStreamResponse]:
+        if not request.groups:
+            raise InvalidArgument("no groups to score")
+        async for index, outcome in self.service.score_many(_jobs(self.service, list(request.groups))):
+            yield env_pb2.ScoreCompletionsStreamResponse(index=index, result=outcome_to_proto(outcome))
+
+    async def Evaluate(self, request, context) -> env_pb2.EvaluateResponse:
+        metrics, outcomes = await self.service.evaluate(_jobs(self.service, list(request.groups)))
+        response = env_pb2.EvaluateResponse(results=[outcome_to_proto(o) for o in outcomes])
+        response.metrics.update(metrics)
+        return response
+
+    async def GetEnvironmentState(self, request, context) -> env_pb2.GetEnvironmentStateResponse:
+        positions = self.service.positions()
+        response = env_pb2.GetEnvironmentStateResponse(
+            train_position=positions["train"], eval_position=positions["eval"]
+        )
+        response.metrics.update(self.service.metrics())
+        return response

@@ -1,0 +1,1 @@
+"""Learner service: GRPO-family optimizer steps on scored batches and weight publishing."""

@@ -1,0 +1,150 @@
+"""From scored completions to padded micro-batches (pure: lists in, tensors out).
+
+A `Sample` is one completion: prompt + completion token ids, behaviour logprobs and its advantage.
+Micro-batches are planned by a *padded* token budget (rows × longest row ≤ budget): samples are
+sorted by length so similar lengths share a micro-batch and little compute goes to padding. The
+order of samples never changes the result, because every objective is normalised by global counts
+(see `losses.Norm`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.common.errors import InvalidArgument
+from services.learner.losses import Norm
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion to train on."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    behav_logprobs: tuple[float, ...]
+    advantage: float
+    temperature: float = 1.0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded tensors of a few samples.
+
+    input_ids      [B, L]   prompt + completion, padded with 0
+    attention_mask [B, L]
+    positions      [B, T]   index into the shifted logits ([B, L-1]) predicting completion token t
+    completion_ids [B, T]
+    mask           [B, T]   1.0 on real completion tokens
+    behav          [B, T]   behaviour logprobs (0 on padding)
+    adv            [B]
+    temperature    [B]
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    positions: torch.Tensor
+    completion_ids: torch.Tensor
+    mask: torch.Tensor
+    behav: torch.Tensor
+    adv: torch.Tensor
+    temperature: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask.sum())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        return MicroBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
+
+
+def validate_sample(sample: Sample, vocab_size: int, where: str, max_length: int = 0) -> None:
+    """InvalidArgument with a precise message if the sample cannot be trained on (max_length 0 = no limit)."""
+    if max_length and sample.length > max_length:
+        raise InvalidArgument(f"{where}: {sample.length} tokens exceed the model's {max_length} positions")
+    if not sample.prompt_ids:
+        raise InvalidArgument(f"{where}: empty prompt_token_ids")
+    if not sample.completion_ids:
+        raise InvalidArgument(f"{where}: empty completion_token_ids")
+    if len(sample.behav_logprobs) != len(sample.completion_ids):
+        raise InvalidArgument(
+            f"{where}: {len(sample.behav_logprobs)} logprobs for "
+            f"{len(sample.completion_ids)} completion tokens"
+        )
+    bad = [t for t in (*sample.prompt_ids, *sample.completion_ids) if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{where}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    if not all(math.isfinite(lp) and lp <= 1e-3 for lp in sample.behav_logprobs):
+        raise InvalidArgument(f"{where}: behaviour logprobs must be finite and <= 0")
+    if not math.isfinite(sample.advantage):
+        raise InvalidArgument(f"{where}: advantage must be finite")
+    if sample.temperature <= 0:
+        raise InvalidArgument(f"{where}: temperature must be > 0")
+
+
+def global_norm(samples: Sequence[Sample]) -> Norm:
+    """Sequence and token counts of the whole optimizer batch."""
+    return Norm(
+        num_seqs=sum(1 for s in samples if s.completion_ids),
+        num_tokens=sum(len(s.completion_ids) for s in samples),
+    )
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices so that rows × longest row ≤ token_budget (a single long row may exceed it).
+
+    Longest first, greedy: a new micro-batch starts when adding the next row would overflow.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for index in order:
+        candidate = max(longest, lengths[index])
+        if current and candidate * (len(current) + 1) > token_budget:
+            batches.append(current)
+            current, longest = [], 0
+            candidate = lengths[index]
+        current.append(index)
+        longest = candidate
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(samples: Sequence[Sample]) -> MicroBatch:
+    """Right-pad `samples` into one MicroBatch (CPU tensors)."""
+    rows = len(samples)
+    max_len = max(s.length for s in samples)
+    max_comp = max(len(s.completion_ids) for s in samples)
+    input_ids = torch.zeros(rows, max_len, dtype=torch.long)  # [B, L]
+    attention = torch.zeros(rows, max_len, dtype=torch.long)  # [B, L]
+    positions = torch.zeros(rows, max_comp, dtype=torch.long)  # [B, T]
+    completion = torch.zeros(rows, max_comp, dtype=torch.long)  # [B, T]
+    mask = torch.zeros(rows, max_comp, dtype=torch.float32)  # [B, T]
+    behav = torch.zeros(rows, max_comp, dtype=torch.float32)  # [B, T]
+    for row, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[row, : p + c] = torch.tensor((*s.prompt_ids, *s.completion_ids), dtype=torch.long)
+        attention[row, : p + c] = 1
+        # logits at position j predict token j+1, so completion token k is predicted at p-1+k
+        positions[row, :c] = torch.arange(p - 1, p - 1 + c)
+        completion[row, :c] = torch.tensor(s.completion_ids, dtype=torch.long)
+        mask[row, :c] = 1.0
+        behav[row, :c] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
+    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)  # [B]
+    temperature = torch.tensor([s.temperature for s in samples], dtype=torch.float32)  # [B]
+    return MicroBatch(input_ids, attention, positions, completion, mask, behav, adv, temperature)
+
+
+def micro_batches(samples: Sequence[Sample], token_budget: int) -> list[MicroBatch]:
+    """Plan and collate: the micro-batches of one optimizer step."""
+    plan = plan_micro_batches([s.length for s in samples], token_budget)
+    return [collate([samples[i] for i in group]) for group in plan]

@@ -1,0 +1,172 @@
+"""The policy model: loading (full or LoRA), token logprobs, and weight export in HF names.
+
+Logprob convention (shared with the rollout): the logprob of completion token t is
+log_softmax(logits / T) at the position that predicts it, computed in fp32, i.e. vLLM's
+"processed" logprobs with temperature-only sampling.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.learner.batching import MicroBatch
+
+EXPORT_FORMATS = ("full", "adapter")
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    rank: int = 0  # 0 = full fine-tune
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    )
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' → cuda if available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' → bf16 autocast on GPU, fp32 on CPU. Parameters (and optimizer state) stay fp32."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def load_policy(
+    path: str, device: torch.device, lora: LoraOptions, gradient_checkpointing: bool = False
+) -> torch.nn.Module:
+    """Load the causal LM in fp32 (master weights), optionally wrapped with a PEFT LoRA adapter."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora.rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        if gradient_checkpointing:
+            model.enable_input_require_grads()
+        config = LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, config)
+    return model.to(device)
+
+
+def load_reference(path: str, device: torch.device) -> torch.nn.Module:
+    """A frozen copy of the initial policy for the KL term (full fine-tune only)."""
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def token_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs of the completion tokens [B, T] (and entropies [B, T], detached) under `model`."""
+    logits = model(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
+    ).logits  # [B, L, V]
+    rows = torch.arange(logits.shape[0], device=logits.device)[:, None]  # [B, 1]
+    picked = logits[rows, mb.positions].float()  # [B, T, V]
+    picked = picked / mb.temperature[:, None, None]
+    logprobs_all = torch.log_softmax(picked, dim=-1)  # [B, T, V]
+    logp = logprobs_all.gather(-1, mb.completion_ids[..., None]).squeeze(-1)  # [B, T]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)  # [B, T]
+    return logp, entropy
+
+
+def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    out = tensor.detach().to("cpu", copy=True)
+    return out.to(dtype) if dtype is not None and out.is_floating_point() else out
+
+
+@torch.no_grad()
+def export_state(model: torch.nn.Module, fmt: str = "full", dtype: torch.dtype | None = None) -> OrderedDict:
+    """Weights to send to rollouts, as CPU copies (a stable snapshot).
+
+    full:    every `state_dict()` entry in HF names (tied lm_head included); for a LoRA model the
+             adapters are merged into their base weights (W + B·A·α/r) without touching the model,
+             and the `base_model.model.` prefix / `.base_layer` infix / lora tensors are dropped.
+    adapter: only the LoRA tensors, in PEFT's adapter-file names.
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}")
+    if fmt == "adapter":
+        if not is_lora(model):
+            raise ValueError("adapter export needs a LoRA model")
+        from peft import get_peft_model_state_dict
+
+        return OrderedDict((k, _cpu_copy(v, dtype)) for k, v in get_peft_model_state_dict(model).items())
+    if not is_lora(model):
+        return OrderedDict((k, _cpu_copy(v, dtype)) for k, v in model.state_dict().items())
+    base = model.get_base_model()
+    adapter = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapter[0]
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        if ".base_layer." not in key:
+            out[key] = _cpu_copy(value, dtype)
+            continue
+        module_name, _, leaf = key.partition(".base_layer.")
+        name = f"{module_name}.{leaf}"
+        if leaf == "weight":
+            layer = base.get_submodule(module_name)
+            merged = value.float() + layer.get_delta_weight(adapter).float()
+            out[name] = _cpu_copy(merged.to(value.dtype), dtype)
+        else:
+            out[name] = _cpu_copy(value, dtype)
+    return out
+
+
+def trainable_state(model: torch.nn.Module) -> OrderedDict:
+    """Trainable parameters by name (deduplicated: tied weights once), for checkpoints."""
+    return OrderedDict((n, p.detach()) for n, p in model.named_parameters() if p.requires_grad)
+
+
+@torch.no_grad()
+def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a `trainable_state` snapshot back in place; names must match exactly."""
+    params = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    missing, unexpected = set(params) - set(state), set(state) - set(params)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the model: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}"
+        )
+    for name, param in params.items():
+        param.copy_(state[name].to(param.device, param.dtype))

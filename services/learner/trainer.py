@@ -1,0 +1,274 @@
+"""Training mechanics: one optimizer step per TrainBatch, logprob scoring, export and checkpoints.
+
+Synchronous and single-threaded by design: the service runs every method on one dedicated executor
+thread, so the model is never used by two calls at once and the event loop never blocks.
+
+A step: plan micro-batches by padded token budget → for each, forward (bf16 autocast on GPU, fp32 on
+CPU) → loss normalised by the *global* sequence/token counts → backward (gradients accumulate, so
+N micro-batches give exactly the one-big-batch gradient for every objective) → clip → AdamW → LR
+schedule → weight version + 1.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.common.logging import get_logger
+from services.learner import checkpoint as ckpt
+from services.learner.batching import MicroBatch, Sample, collate, global_norm, micro_batches
+from services.learner.losses import LossConfig, LossStats, policy_loss
+from services.learner.model import (
+    LoraOptions,
+    autocast,
+    export_state,
+    is_lora,
+    load_policy,
+    load_reference,
+    load_trainable_state,
+    resolve_compute_dtype,
+    resolve_device,
+    token_logprobs,
+    trainable_state,
+    vocab_size,
+)
+
+log = get_logger(__name__)
+
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimOptions:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    total_steps: int = 1000  # cosine horizon
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still reported)
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimOptions = field(default_factory=OptimOptions)
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    micro_batch_tokens: int = 8192
+    gradient_checkpointing: bool = False
+    export_format: str = "full"
+    export_dtype: str = "auto"
+    seed: int = 0
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 3
+    resume: bool = False
+
+
+def lr_factor(step: int, optim: OptimOptions) -> float:
+    """Multiplier of the base LR at optimizer step `step` (0-based): linear warmup, then constant/cosine."""
+    if optim.warmup_steps > 0 and step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    span = max(1, optim.total_steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / span)
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepOutcome:
+    step: int
+    weight_version: int
+    metrics: dict[str, float]
+
+
+class Trainer:
+    """Owns the model, optimizer, LR schedule and weight version."""
+
+    def __init__(self, opts: TrainerOptions) -> None:
+        if opts.optim.schedule not in SCHEDULES:
+            raise ValueError(f"unknown LR schedule {opts.optim.schedule!r}")
+        self.opts = opts
+        self.loss_cfg = opts.loss
+        torch.manual_seed(opts.seed)
+        random.seed(opts.seed)
+        self.device = resolve_device(opts.device)
+        self.compute_dtype = resolve_compute_dtype(opts.dtype, self.device)
+        self.export_dtype = None if opts.export_dtype == "auto" else getattr(torch, opts.export_dtype)
+        self.model = load_policy(opts.model, self.device, opts.lora, opts.gradient_checkpointing)
+        self.model.eval()
+        self.vocab_size = vocab_size(self.model)
+        self.max_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        self.ref_model = None
+        if opts.loss.kl_beta > 0 and not is_lora(self.model):
+            self.ref_model = load_reference(opts.model, self.device)  # LoRA: the base with adapters off
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        o = opts.optim
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, o))
+        self.weight_version = 0
+        self.step = 0
+        self.last_batch_id = ""
+        self.last_outcome: StepOutcome | None = None
+        self._saved_step = 0  # step 0 is the model as loaded: nothing to checkpoint
+        if opts.resume:
+            self._resume()
+
+    # ------------------------------------------------------------------ training
+
+    def accumulate_gradients(
+        self, samples: list[Sample], token_budget: int | None = None
+    ) -> dict[str, float]:
+        """Forward/backward every micro-batch of `samples`; gradients end up in `.grad` (not zeroed first).
+
+        Each micro-batch loss is divided by the global counts of `samples`, so the accumulated gradient
+        equals the one-big-batch gradient of the objective whatever `token_budget` is.
+        """
+        norm = global_norm(samples)
+        stats = LossStats()
+        loss_total, entropy_sum = 0.0, 0.0
+        mbs = micro_batches(samples, token_budget or self.opts.micro_batch_tokens)
+        self.model.train()
+        try:
+            for mb in mbs:
+                mb = mb.to(self.device)
+                with autocast(self.device, self.compute_dtype):
+                    logp, entropy = token_logprobs(self.model, mb, with_entropy=True)  # [B, T]
+                ref_logp = self._ref_logprobs(mb) if self.loss_cfg.kl_beta > 0 else None
+                out = policy_loss(logp, mb.behav, mb.mask, mb.adv, self.loss_cfg, norm, ref_logp)
+                out.loss.backward()
+                loss_total += float(out.loss.detach())
+                entropy_sum += float((entropy * mb.mask).sum())
+                stats.add(out.stats)
+        finally:
+            self.model.eval()
+        return {
+            "loss": loss_total,
+            "entropy": entropy_sum / max(norm.num_tokens, 1),
+            "num_seqs": float(norm.num_seqs),
+            "num_tokens": float(norm.num_tokens),
+            "micro_batches": float(len(mbs)),
+            **stats.finalize(),
+        }
+
+    def train_step(
+        self, samples: list[Sample], batch_id: str, rewards: list[float] | None = None
+    ) -> StepOutcome:
+        """One optimizer step on `samples` (already validated)."""
+        started = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_metrics = self.accumulate_gradients(samples)
+        max_norm = self.opts.optim.max_grad_norm if self.opts.optim.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        else:
+            log.warning("non-finite gradient norm: update skipped", grad_norm=grad_norm, batch_id=batch_id)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        self.weight_version += 1
+        self.last_batch_id = batch_id
+        elapsed = time.perf_counter() - started
+        num_tokens = loss_metrics["num_tokens"]
+        metrics = {
+            **loss_metrics,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "update_skipped": 0.0 if finite else 1.0,
+            "step_time_s": elapsed,
+            "tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
+            "adv_mean": sum(s.advantage for s in samples) / max(len(samples), 1),
+            "completion_len_mean": num_tokens / max(loss_metrics["num_seqs"], 1.0),
+        }
+        if rewards:
+            metrics["reward_mean"] = sum(rewards) / len(rewards)
+        self.last_outcome = StepOutcome(self.step, self.weight_version, metrics)
+        if (
+            self.opts.checkpoint_dir
+            and self.opts.checkpoint_every > 0
+            and self.step % self.opts.checkpoint_every == 0
+        ):
+            self.save_checkpoint()
+        return self.last_outcome
+
+    @torch.no_grad()
+    def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        with autocast(self.device, self.compute_dtype):
+            if self.ref_model is not None:
+                return token_logprobs(self.ref_model, mb)[0]
+            with self.model.disable_adapter():
+                return token_logprobs(self.model, mb)[0]
+
+    # ------------------------------------------------------------------ scoring / export
+
+    @torch.no_grad()
+    def score(self, prompt_ids: list[int], completion_ids: list[int], temperature: float) -> list[float]:
+        """Logprob of each completion token at `temperature` under the current weights (eval mode)."""
+        sample = Sample(
+            tuple(prompt_ids), tuple(completion_ids), (0.0,) * len(completion_ids), 0.0, temperature
+        )
+        mb = collate([sample]).to(self.device)
+        with autocast(self.device, self.compute_dtype):
+            logp, _ = token_logprobs(self.model, mb)
+        return logp[0].float().cpu().tolist()
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """A CPU snapshot of the weights to publish (see model.export_state)."""
+        return export_state(self.model, self.opts.export_format, self.export_dtype)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path | None:
+        """Atomic checkpoint of the current state, unless this step is already saved."""
+        if self.opts.checkpoint_dir is None or self._saved_step == self.step:
+            return None
+        state = ckpt.TrainerState(
+            self.weight_version, self.step, self.last_batch_id, self.loss_cfg.kind, self.opts.model
+        )
+        path = ckpt.save_checkpoint(
+            self.opts.checkpoint_dir,
+            state,
+            trainable_state(self.model),
+            self.optimizer.state_dict(),
+            self.scheduler.state_dict(),
+            self.opts.checkpoint_keep,
+        )
+        self._saved_step = self.step
+        log.info("checkpoint saved", path=str(path), step=self.step)
+        return path
+
+    def _resume(self) -> None:
+        if self.opts.checkpoint_dir is None:
+            raise ValueError("resume needs a checkpoint directory")
+        loaded = ckpt.load_latest(self.opts.checkpoint_dir)
+        if loaded is None:
+            log.info("no checkpoint to resume from; starting fresh", dir=str(self.opts.checkpoint_dir))
+            return
+        if loaded.state.loss != self.loss_cfg.kind or loaded.state.model != self.opts.model:
+            log.warning("resuming with a different loss/model", checkpoint=loaded.state.__dict__)
+        load_trainable_state(self.model, loaded.params)
+        self.optimizer.load_state_dict(loaded.optimizer)
+        self.scheduler.load_state_dict(loaded.scheduler)
+        ckpt.set_rng_state(loaded.rng)
+        self.weight_version = loaded.state.weight_version
+        self.step = loaded.state.step
+        self.last_batch_id = loaded.state.last_batch_id
+        self._saved_step = self.step
+        log.info("resumed", path=str(loaded.path), step=self.step, weight_version=self.weight_version)

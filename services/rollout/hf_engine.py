@@ -1,0 +1,308 @@
+"""Rollout engine on plain transformers, for machines without vLLM (and fast unit tests).
+
+Requests queue up (bounded) and a batcher runs them, `max_batch_size` samples at a time, in ONE
+executor thread: prefill of the left-padded prompts, then token-by-token decoding with a KV cache.
+Weight loads run in the same thread, so they happen between batches and every completion has a
+single version span (the version at the start of its batch). Per-token logprobs are "processed":
+log_softmax of logits / T after top-k / top-p truncation, matching vLLM's processed_logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.common.errors import FailedPrecondition, ResourceExhausted
+from services.common.logging import get_logger
+from services.common.weights import Manifest, attach_segment, iter_tensors
+from services.rollout.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FinishedCompletion,
+    LoadTimings,
+    RolloutEngine,
+    Sampling,
+    VersionSpan,
+)
+
+log = get_logger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class HfOptions:
+    model: str
+    tokenizer: str = ""
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    max_model_len: int = 2048
+    max_batch_size: int = 32
+    max_queued: int = 1024
+    seed: int = 0
+    trust_remote_code: bool = False
+    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+
+@dataclass
+class _Row:
+    """One sample of one request inside a batch."""
+
+    prompt: list[int]
+    sampling: Sampling
+    index: int
+    out: asyncio.Queue
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str = ""
+    text: str = ""
+
+
+def processed_logprobs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float]
+) -> torch.Tensor:
+    """log_softmax(logits / T) after per-row top-k / top-p truncation (renormalised).
+
+    logits [B, V] float32, temperature [B]; top_k 0 and top_p 1.0 mean off. Returns [B, V] with -inf
+    outside the kept set.
+    """
+    scaled = logits / temperature[:, None]  # [B, V]
+    for row, k in enumerate(top_k):
+        if 0 < k < scaled.shape[-1]:
+            kth = torch.topk(scaled[row], k).values[-1]
+            scaled[row] = scaled[row].masked_fill(scaled[row] < kth, float("-inf"))
+    for row, p in enumerate(top_p):
+        if p < 1.0:
+            sorted_logits, order = torch.sort(scaled[row], descending=True)  # [V]
+            cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)  # [V]
+            drop_sorted = cumulative - torch.softmax(sorted_logits, -1) >= p  # keep until mass p reached
+            drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+            scaled[row] = scaled[row].masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+class HfEngine(RolloutEngine):
+    """`RolloutEngine` on a transformers causal LM."""
+
+    name = "transformers"
+
+    def __init__(self, options: HfOptions) -> None:
+        self._options = options
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+        self._queue: asyncio.Queue[_Row] = asyncio.Queue(maxsize=options.max_queued)
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._eos: set[int] = set()
+        self._version = 0
+        self._generator = torch.Generator().manual_seed(options.seed)
+        self._batcher: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        opts = self._options
+        if opts.num_threads > 0:
+            torch.set_num_threads(opts.num_threads)
+        device = opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = _DTYPES.get(opts.dtype) or (torch.bfloat16 if device == "cuda" else torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            opts.model, dtype=dtype, trust_remote_code=opts.trust_remote_code
+        )
+        self._model = model.to(device).eval()
+        self._tokenizer = AutoTokenizer.from_pretrained(
+            opts.tokenizer or opts.model, trust_remote_code=opts.trust_remote_code
+        )
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = eos if eos is not None else self._tokenizer.eos_token_id
+        self._eos = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+
+    async def start(self) -> None:
+        started = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._load)
+        self._batcher = asyncio.create_task(self._run_batches(), name="hf-batcher")
+        log.info(
+            "transformers engine started",
+            model=self._options.model,
+            start_s=round(time.perf_counter() - started, 2),
+        )
+
+    async def stop(self) -> None:
+        if self._batcher is not None:
+            self._batcher.cancel()
+            await asyncio.gather(self._batcher, return_exceptions=True)
+            self._batcher = None
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ generation
+    async def generate(
+        self, prompt_token_ids: list[int], sampling: Sampling, request_id: str
+    ) -> AsyncIterator[FinishedCompletion]:
+        out: asyncio.Queue = asyncio.Queue(maxsize=sampling.n)
+        if self._queue.qsize() + sampling.n > self._queue.maxsize:
+            raise ResourceExhausted(f"transformers engine queue is full ({self._queue.maxsize} samples)")
+        rows = []
+        for index in range(sampling.n):
+            generator = torch.Generator().manual_seed(sampling.seed + index) if sampling.seed else None
+            rows.append(_Row(list(prompt_token_ids), sampling, index, out, generator))
+        for row in rows:
+            self._queue.put_nowait(row)
+        try:
+            for _ in range(sampling.n):
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for row in rows:
+                row.finish = row.finish or "cancelled"  # queued rows of an abandoned request are skipped
+
+    async def _run_batches(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self._options.max_batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            batch = [row for row in batch if not row.finish]
+            if not batch:
+                continue
+            try:
+                version = await loop.run_in_executor(self._executor, self._generate_batch, batch)
+            except Exception as exc:
+                log.exception("transformers batch failed")
+                for row in batch:
+                    row.out.put_nowait(exc)
+                continue
+            for row in batch:
+                row.out.put_nowait(
+                    FinishedCompletion(
+                        index=row.index,
+                        token_ids=tuple(row.tokens),
+                        logprobs=tuple(row.logprobs),
+                        finish_reason=row.finish,
+                        version_spans=(VersionSpan(version, 0, len(row.tokens)),) if row.tokens else (),
+                        text=row.text,
+                    )
+                )
+
+    def _check_stop(self, row: _Row) -> bool:
+        """Finish `row` on EOS / stop string / length; sets finish reason and text."""
+        token = row.tokens[-1]
+        limit = min(row.sampling.max_tokens, self._options.max_model_len - len(row.prompt))
+        if token in self._eos:
+            row.finish = FINISH_STOP
+        elif row.sampling.stop:
+            text = self._tokenizer.decode(row.tokens, skip_special_tokens=True)
+            hits = [text.find(s) for s in row.sampling.stop if s in text]
+            if hits:
+                row.finish, row.text = FINISH_STOP, text[: min(hits)]
+                return True
+        if not row.finish and len(row.tokens) >= limit:
+            row.finish = FINISH_LENGTH
+        if row.finish:
+            row.text = self._tokenizer.decode(row.tokens, skip_special_tokens=True)
+        return bool(row.finish)
+
+    @torch.inference_mode()
+    def _generate_batch(self, rows: list[_Row]) -> int:
+        """Sample every row to completion (runs in the engine thread). Returns the weight version used."""
+        from transformers import DynamicCache
+
+        version, model = self._version, self._model
+        device = next(model.parameters()).device
+        pad = next(iter(self._eos), 0)
+        width = max(len(r.prompt) for r in rows)
+        ids = torch.tensor(
+            [[pad] * (width - len(r.prompt)) + r.prompt for r in rows], device=device
+        )  # [B, P]
+        mask = torch.tensor(
+            [[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in rows], device=device
+        )  # [B, P]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        temperature = torch.tensor([r.sampling.temperature for r in rows], device=device)  # [B]
+        top_k = [r.sampling.top_k for r in rows]
+        top_p = [r.sampling.top_p for r in rows]
+        cache = DynamicCache()
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1].float()  # fmt: skip  # [B, V]
+        active = list(range(len(rows)))
+        while active:
+            logprobs = processed_logprobs(logits, temperature, top_k, top_p)  # [B, V]
+            probs = logprobs.exp()  # [B, V]
+            next_ids = torch.full((len(rows),), pad, dtype=torch.long, device=device)  # [B]
+            for b in active:
+                row = rows[b]
+                token = int(torch.multinomial(probs[b], 1, generator=row.generator or self._generator))
+                row.tokens.append(token)
+                row.logprobs.append(float(logprobs[b, token]))
+                next_ids[b] = token
+            active = [b for b in active if not self._check_stop(rows[b])]
+            if not active:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # [B, P+t]
+            positions = positions[:, -1:] + 1  # [B, 1]
+            logits = model(
+                input_ids=next_ids[:, None], attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True,
+            ).logits[:, -1].float()  # fmt: skip  # [B, V]
+        return version
+
+    # ------------------------------------------------------------------ scoring and weights
+    @torch.inference_mode()
+    def _score(self, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+        device = next(self._model.parameters()).device
+        ids = torch.tensor([prompt + completion], device=device)  # [1, P+C]
+        logits = self._model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [C, V]
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)  # [C, V]
+        target = torch.tensor(completion, device=device)[:, None]  # [C, 1]
+        return logprobs.gather(-1, target)[:, 0].tolist()
+
+    async def score_tokens(
+        self, prompt_token_ids: list[int], completion_token_ids: list[int], temperature: float
+    ) -> list[float]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, self._score, list(prompt_token_ids), list(completion_token_ids), temperature
+        )
+
+    def _load_from_segment(self, manifest: Manifest, segment_name: str, version: int) -> float:
+        started = time.perf_counter()
+        segment = attach_segment(segment_name)
+        try:
+            state = dict(iter_tensors(segment.buf, manifest.tensors))
+            result = self._model.load_state_dict(state, strict=False)
+            del state
+            if result.missing_keys or result.unexpected_keys:
+                raise FailedPrecondition(
+                    f"weights v{version} do not match the model: missing {result.missing_keys[:5]}, "
+                    f"unexpected {result.unexpected_keys[:5]}"
+                )
+            self._version = version
+        finally:
+            gc.collect()
+            segment.close()
+        return (time.perf_counter() - started) * 1e3
+
+    async def load_weights(self, manifest: Manifest, segment_name: str, version: int) -> LoadTimings:
+        requested = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        load_ms = await loop.run_in_executor(
+            self._executor, self._load_from_segment, manifest, segment_name, version
+        )
+        return LoadTimings(pause_ms=(time.perf_counter() - requested) * 1e3, load_ms=load_ms)
+
+    async def set_weight_version(self, version: int) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, setattr, self, "_version", version)
+
+    @property
+    def weight_version(self) -> int:
+        return self._version

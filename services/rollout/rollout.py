@@ -1,0 +1,283 @@
+"""The rollout worker's logic: admission, tokenization, generation bookkeeping, the weight-sync phases.
+
+Protocol-free: the servicer converts protos to the domain objects used here and back. Heavy work
+(tokenization, model forward passes, checksum hashing) runs off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import socket
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailable
+from services.common.logging import get_logger
+from services.rollout.config import RolloutSettings
+from services.rollout.engine import FinishedCompletion, LoadTimings, RolloutEngine, Sampling
+from services.rollout.validation import (
+    PromptInput,
+    normalize_sampling,
+    validate_prompt,
+    validate_sampling,
+    validate_score_request,
+)
+from services.rollout.weight_sync import StagedWeights, StageTarget, WeightStager
+
+log = get_logger(__name__)
+
+
+class Status(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    UPDATING = "updating"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One finished completion with the request facts the caller records next to it."""
+
+    prompt_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling
+    completion: FinishedCompletion
+
+
+@dataclass(frozen=True)
+class RolloutState:
+    rollout_id: str
+    weight_version: int
+    staged_version: int
+    status: Status
+    engine: str
+    model: str
+    in_flight: int
+    max_in_flight: int
+    tokens_generated: int
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    version: int
+    timings: LoadTimings
+
+
+def vllm_available() -> bool:
+    """True when vLLM imports (the CPU or CUDA build)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_engine(settings: RolloutSettings) -> RolloutEngine:
+    """The engine `settings.engine` asks for (auto: vLLM when importable, else transformers)."""
+    kind = settings.engine
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "transformers"
+    if kind == "vllm":
+        from services.rollout.vllm_engine import VllmEngine, VllmOptions
+
+        return VllmEngine(
+            VllmOptions(
+                model=settings.model,
+                tokenizer=settings.tokenizer,
+                dtype=settings.dtype,
+                max_model_len=settings.max_model_len,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                kv_cache_space_gib=settings.kv_cache_space_gib,
+                seed=settings.seed,
+                enforce_eager=settings.enforce_eager,
+                enable_prefix_caching=settings.enable_prefix_caching,
+                max_num_seqs=settings.max_num_seqs,
+                tensor_parallel_size=settings.tensor_parallel_size,
+                trust_remote_code=settings.trust_remote_code,
+                pause_mode=settings.pause_mode,
+                load_timeout_s=settings.load_timeout_s,
+            )
+        )
+    from services.rollout.hf_engine import HfEngine, HfOptions
+
+    return HfEngine(
+        HfOptions(
+            model=settings.model,
+            tokenizer=settings.tokenizer,
+            dtype=settings.dtype,
+            device=settings.hf_device,
+            max_model_len=settings.max_model_len,
+            max_batch_size=settings.hf_max_batch_size,
+            max_queued=max(1024, settings.max_in_flight * 8),
+            seed=settings.seed,
+            trust_remote_code=settings.trust_remote_code,
+            num_threads=settings.hf_num_threads,
+        )
+    )
+
+
+class Rollout:
+    """A rollout worker: one engine, one tokenizer, one staged-weights slot."""
+
+    def __init__(self, settings: RolloutSettings, engine: RolloutEngine | None = None) -> None:
+        if not settings.model:
+            raise InvalidArgument("rollout needs --model (a model directory or Hugging Face id)")
+        self.settings = settings
+        self.rollout_id = settings.rollout_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._engine = engine or build_engine(settings)
+        self._stager = WeightStager(self.rollout_id, settings.fetch_timeout_s)
+        self._tokenize_pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
+        self._tokenizer: Any = None
+        self._vocab_size = 0
+        self._status = Status.LOADING
+        self._in_flight = 0
+        self._tokens_generated = 0
+        self._commit_lock = asyncio.Lock()
+
+    @property
+    def engine(self) -> RolloutEngine:
+        return self._engine
+
+    # ------------------------------------------------------------------ lifecycle
+    def _load_tokenizer(self) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        source = self.settings.tokenizer or self.settings.model
+        self._tokenizer = AutoTokenizer.from_pretrained(
+            source, trust_remote_code=self.settings.trust_remote_code
+        )
+        config = AutoConfig.from_pretrained(
+            self.settings.model, trust_remote_code=self.settings.trust_remote_code
+        )
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self._vocab_size = int(getattr(text_config, "vocab_size", 0) or len(self._tokenizer))
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._tokenize_pool, self._load_tokenizer)
+        await self._engine.start()
+        self._status = Status.READY
+        log.info(
+            "rollout ready", rollout_id=self.rollout_id, engine=self._engine.name, model=self.settings.model
+        )
+
+    async def stop(self) -> None:
+        self._status = Status.DRAINING
+        await self._engine.stop()
+        self._stager.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ generation
+    def _tokenize(self, prompt: PromptInput) -> list[int]:
+        tokenizer = self._tokenizer
+        if prompt.messages:
+            if not getattr(tokenizer, "chat_template", None):
+                raise InvalidArgument(
+                    f"prompt {prompt.prompt_id!r} has chat messages but the tokenizer has no chat template"
+                )
+            messages = [{"role": role, "content": content} for role, content in prompt.messages]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(prompt.text, add_special_tokens=self.settings.add_special_tokens)["input_ids"])
+
+    async def tokenize(self, prompt: PromptInput) -> list[int]:
+        """Prompt token ids (chat template with generation prompt for messages), computed in a thread."""
+        ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._tokenize, prompt)
+        if not ids:
+            raise InvalidArgument(f"prompt {prompt.prompt_id!r} tokenizes to zero tokens")
+        if len(ids) >= self.settings.max_model_len:
+            raise InvalidArgument(
+                f"prompt {prompt.prompt_id!r} has {len(ids)} tokens; "
+                f"max_model_len is {self.settings.max_model_len}"
+            )
+        return ids
+
+    def _admit(self) -> None:
+        if self._status in (Status.LOADING, Status.DRAINING):
+            raise Unavailable(f"rollout {self.rollout_id} is {self._status.value}")
+        if self._in_flight >= self.settings.max_in_flight:
+            raise ResourceExhausted(
+                f"rollout {self.rollout_id} has {self._in_flight} requests in flight (max_in_flight "
+                f"{self.settings.max_in_flight}); retry later"
+            )
+
+    async def generate(
+        self, request_id: str, prompt: PromptInput, sampling: Sampling
+    ) -> AsyncIterator[Generated]:
+        """Validate, admit, tokenize and stream each finished completion of the request."""
+        sampling = normalize_sampling(sampling)
+        validate_prompt(prompt)
+        validate_sampling(sampling)
+        if not request_id:
+            raise InvalidArgument("request_id is empty")
+        self._admit()
+        self._in_flight += 1
+        try:
+            prompt_ids = await self.tokenize(prompt)
+            async for completion in self._engine.generate(prompt_ids, sampling, request_id):
+                self._tokens_generated += len(completion.token_ids)
+                yield Generated(prompt.prompt_id, tuple(prompt_ids), sampling, completion)
+        finally:
+            self._in_flight -= 1
+
+    async def score(
+        self, prompt_ids: list[int], completion_ids: list[int], temperature: float
+    ) -> tuple[list[float], int]:
+        """Processed logprobs of the completion tokens and the version they were computed with."""
+        validate_score_request(
+            prompt_ids, completion_ids, temperature, self._vocab_size, self.settings.max_model_len
+        )
+        if self._status == Status.LOADING:
+            raise Unavailable(f"rollout {self.rollout_id} is still loading")
+        async with self._commit_lock:  # never straddle a weight update
+            version = self._engine.weight_version
+            logprobs = await self._engine.score_tokens(prompt_ids, completion_ids, temperature)
+        return logprobs, version
+
+    # ------------------------------------------------------------------ weights
+    async def stage_weights(self, target: StageTarget) -> StagedWeights:
+        return await self._stager.stage(target, self._engine.weight_version)
+
+    async def commit_weights(self, version: int) -> CommitResult:
+        """Load the staged `version` (idempotent when it is already the loaded one)."""
+        async with self._commit_lock:
+            current = self._engine.weight_version
+            if version == current and self._stager.staged_version != version:
+                return CommitResult(version, LoadTimings(0.0, 0.0))
+            if version < current:
+                raise Aborted(f"weight version {version} is older than the loaded version {current}")
+            staged = await self._stager.take(version)
+            previous, self._status = self._status, Status.UPDATING
+            try:
+                timings = await self._engine.load_weights(staged.manifest, staged.segment_name, version)
+            finally:
+                staged.release()
+                self._status = previous if previous != Status.UPDATING else Status.READY
+            log.info(
+                "weights committed",
+                version=version,
+                load_ms=round(timings.load_ms, 1),
+                pause_ms=round(timings.pause_ms, 1),
+            )
+            return CommitResult(version, timings)
+
+    async def abort_weights(self, version: int) -> None:
+        if await self._stager.abort(version):
+            log.info("staged weights dropped", version=version)
+
+    def state(self) -> RolloutState:
+        return RolloutState(
+            rollout_id=self.rollout_id,
+            weight_version=self._engine.weight_version,
+            staged_version=self._stager.staged_version,
+            status=self._status,
+            engine=self._engine.name,
+            model=self.settings.model,
+            in_flight=self._in_flight,
+            max_in_flight=self.settings.max_in_flight,
+            tokens_generated=self._tokens_generated,
+        )

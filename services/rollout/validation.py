@@ -1,0 +1,144 @@
+"""Pure request checks and weight-version span helpers of the rollout service (no I/O, no engine).
+
+Validation raises `InvalidArgument` with a message naming the offending field, so a scheduler bug
+is reported as the caller's fault and never retried unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from services.common.errors import InvalidArgument
+from services.rollout.engine import Sampling, VersionSpan
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """A prompt as the rollout sees it: plain text or chat messages (role, content)."""
+
+    prompt_id: str
+    text: str = ""
+    messages: tuple[tuple[str, str], ...] = ()
+
+
+def validate_prompt(prompt: PromptInput) -> None:
+    """Exactly one of text / messages; chat roles must be known and contents non-empty."""
+    if bool(prompt.text) == bool(prompt.messages):
+        which = "both" if prompt.text else "neither"
+        raise InvalidArgument(
+            f"prompt {prompt.prompt_id!r}: set exactly one of text / messages ({which} set)"
+        )
+    for position, (role, content) in enumerate(prompt.messages):
+        if role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"prompt.messages[{position}].role must be one of {CHAT_ROLES}, got {role!r}"
+            )
+        if not content:
+            raise InvalidArgument(f"prompt.messages[{position}].content is empty")
+
+
+def validate_sampling(sampling: Sampling) -> None:
+    """n ≥ 1, max_tokens ≥ 1, temperature > 0 (finite), 0 < top_p ≤ 1, top_k ≥ 0, stop strings non-empty."""
+    if sampling.n < 1:
+        raise InvalidArgument(f"sampling_params.n must be >= 1, got {sampling.n}")
+    if sampling.max_tokens < 1:
+        raise InvalidArgument(f"sampling_params.max_tokens must be >= 1, got {sampling.max_tokens}")
+    if not sampling.temperature > 0 or sampling.temperature == float("inf"):
+        raise InvalidArgument(
+            f"sampling_params.temperature must be > 0 (greedy is not supported: behaviour logprobs need "
+            f"a sampling distribution), got {sampling.temperature}"
+        )
+    if not 0 < sampling.top_p <= 1:
+        raise InvalidArgument(f"sampling_params.top_p must be in (0, 1] (1 = off), got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise InvalidArgument(f"sampling_params.top_k must be >= 0 (0 = off), got {sampling.top_k}")
+    if any(not s for s in sampling.stop):
+        raise InvalidArgument("sampling_params.stop contains an empty string")
+
+
+def normalize_sampling(sampling: Sampling) -> Sampling:
+    """Fill proto3 zero defaults: top_p 0 means "unset" and becomes 1.0 (off)."""
+    if sampling.top_p == 0:
+        return Sampling(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=1.0,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            seed=sampling.seed,
+            stop=sampling.stop,
+        )
+    return sampling
+
+
+def validate_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
+    """Every id must index the model's vocabulary."""
+    for position, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument(
+                f"{field}[{position}] = {token} is outside the vocabulary [0, {vocab_size})"
+            )
+
+
+def validate_score_request(
+    prompt_ids: Sequence[int],
+    completion_ids: Sequence[int],
+    temperature: float,
+    vocab_size: int,
+    max_len: int,
+) -> None:
+    """A scorable sequence: non-empty prompt and completion, T > 0, ids in vocab, fits the context."""
+    if not prompt_ids:
+        raise InvalidArgument("sequence.prompt_token_ids is empty")
+    if not completion_ids:
+        raise InvalidArgument("sequence.completion_token_ids is empty")
+    if not temperature > 0 or temperature == float("inf"):
+        raise InvalidArgument(f"sequence.temperature must be > 0, got {temperature}")
+    total = len(prompt_ids) + len(completion_ids)
+    if total > max_len:
+        raise InvalidArgument(f"sequence has {total} tokens, more than max_model_len {max_len}")
+    validate_token_ids(prompt_ids, vocab_size, "sequence.prompt_token_ids")
+    validate_token_ids(completion_ids, vocab_size, "sequence.completion_token_ids")
+
+
+def spans_from_labels(
+    labels: Iterable[tuple[str, int, int]] | None, num_tokens: int, fallback_version: int
+) -> tuple[VersionSpan, ...]:
+    """Integer version spans from engine labels (version string, start, end), checked to cover exactly.
+
+    Adjacent spans with the same version merge. `labels` None (the engine reported no label) means
+    the whole completion is attributed to `fallback_version`. Raises ValueError if the labels do not
+    tile [0, num_tokens) or a label is not an integer version.
+    """
+    if labels is None:
+        return (VersionSpan(fallback_version, 0, num_tokens),) if num_tokens else ()
+    spans: list[VersionSpan] = []
+    for label, start, end in labels:
+        if end <= start:
+            continue
+        try:
+            version = int(label)
+        except ValueError as exc:
+            raise ValueError(f"weight version label {label!r} is not an integer") from exc
+        if spans and spans[-1].version == version and spans[-1].end == start:
+            spans[-1] = VersionSpan(version, spans[-1].start, end)
+        else:
+            spans.append(VersionSpan(version, start, end))
+    check_spans(spans, num_tokens)
+    return tuple(spans)
+
+
+def check_spans(spans: Sequence[VersionSpan], num_tokens: int) -> None:
+    """Spans must tile [0, num_tokens) in order, without gaps or overlaps, versions non-decreasing."""
+    cursor, last_version = 0, None
+    for span in spans:
+        if span.start != cursor or span.end <= span.start:
+            raise ValueError(f"version spans {list(spans)} do not tile [0, {num_tokens})")
+        if last_version is not None and span.version < last_version:
+            raise ValueError(f"version spans {list(spans)} go backwards")
+        cursor, last_version = span.end, span.version
+    if cursor != num_tokens:
+        raise ValueError(f"version spans {list(spans)} cover {cursor} of {num_tokens} tokens")

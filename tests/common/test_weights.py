@@ -1,0 +1,220 @@
+"""services/common/weights.py: packing, checksums, chunking, manifest protos, shared memory."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo.common.v1 import types_pb2
+from services.common.errors import DataLoss, InvalidArgument
+from services.common.weights import (
+    CHUNK_BYTES,
+    attach_segment,
+    build_manifest,
+    chunk_ranges,
+    create_segment,
+    iter_tensors,
+    manifest_from_proto,
+    manifest_to_proto,
+    packed_size,
+    plan_layout,
+    verify_buckets,
+)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(7, 5, generator=gen),  # 140 B: forces padding to 64-byte alignment
+        "norm.weight": torch.randn(3, generator=gen).to(torch.bfloat16),
+        "positions": torch.arange(-5, 6, dtype=torch.int64).reshape(11, 1),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "lm_head.weight": torch.randn(5, 7, generator=gen).t(),  # non-contiguous
+    }
+
+
+def _pack(state: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[bytearray, object]:
+    buffer = bytearray(packed_size(plan_layout(state)))
+    return buffer, build_manifest(state, memoryview(buffer), bucket_bytes=bucket_bytes)
+
+
+def test_pack_verify_iter_roundtrip_across_dtypes() -> None:
+    state = _state()
+    buffer, manifest = _pack(state, bucket_bytes=128)
+    assert len(manifest.buckets) > 1
+    assert all(t.offset % 64 == 0 for t in manifest.tensors)
+    verify_buckets(memoryview(buffer), manifest.buckets)
+    rebuilt = dict(iter_tensors(memoryview(buffer), manifest.tensors))
+    assert list(rebuilt) == list(state)  # order preserved
+    for name, tensor in state.items():
+        assert rebuilt[name].dtype == tensor.dtype, name
+        assert rebuilt[name].shape == tensor.shape, name
+        assert torch.equal(rebuilt[name], tensor), name
+
+
+def test_checksum_mismatch_names_the_bucket() -> None:
+    buffer, manifest = _pack(_state(), bucket_bytes=128)
+    buffer[200] ^= 0xFF  # inside bucket 1 = [128, 256)
+    with pytest.raises(DataLoss, match="bucket 1 checksum mismatch"):
+        verify_buckets(memoryview(buffer), manifest.buckets)
+
+
+def test_buckets_hash_their_exact_ranges() -> None:
+    buffer, manifest = _pack(_state(), bucket_bytes=100)
+    assert [b.index for b in manifest.buckets] == list(range(len(manifest.buckets)))
+    assert sum(b.nbytes for b in manifest.buckets) == manifest.total_bytes == len(buffer)
+    for b in manifest.buckets:
+        assert b.sha256 == hashlib.sha256(buffer[b.offset : b.offset + b.nbytes]).hexdigest()
+
+
+def test_chunk_ranges_cover_each_bucket_exactly_in_small_chunks() -> None:
+    state = {"big": torch.zeros((5 << 20) // 4 + 3, dtype=torch.float32)}  # ~5 MiB, not a multiple of 1 MiB
+    buffer, manifest = _pack(state, bucket_bytes=(2 << 20) + 64)
+    chunks = list(chunk_ranges(manifest.buckets))
+    assert max(size for _, _, size in chunks) <= CHUNK_BYTES
+    position = 0
+    for index, offset, size in chunks:
+        bucket = manifest.buckets[index]
+        assert offset == position, "chunks must be contiguous and in order"
+        assert bucket.offset <= offset and offset + size <= bucket.offset + bucket.nbytes
+        position += size
+    assert position == manifest.total_bytes == len(buffer)
+
+
+def test_manifest_proto_roundtrip() -> None:
+    _, manifest = _pack(_state(), bucket_bytes=128)
+    message = types_pb2.WeightVersion(version=3)
+    manifest_to_proto(manifest, message)
+    wire = types_pb2.WeightVersion.FromString(message.SerializeToString())
+    assert manifest_from_proto(wire) == manifest
+
+
+def _proto(bucket_bytes: int = 128) -> types_pb2.WeightVersion:
+    _, manifest = _pack(_state(), bucket_bytes=bucket_bytes)
+    message = types_pb2.WeightVersion(version=1)
+    manifest_to_proto(manifest, message)
+    return message
+
+
+def _empty(message: types_pb2.WeightVersion) -> None:
+    del message.tensors[:]
+
+
+def _total_off(message: types_pb2.WeightVersion) -> None:
+    message.total_bytes += 64
+
+
+def _bucket_gap(message: types_pb2.WeightVersion) -> None:
+    message.buckets[0].nbytes -= 8  # same sum of sizes, but [b0.end, b1.offset) is uncovered
+    message.buckets[-1].nbytes += 8
+
+
+def _bucket_index(message: types_pb2.WeightVersion) -> None:
+    message.buckets[1].index = 5
+
+
+def _bad_dtype(message: types_pb2.WeightVersion) -> None:
+    message.tensors[0].dtype = "complex32"
+
+
+def _outside(message: types_pb2.WeightVersion) -> None:
+    message.tensors[-1].offset = message.total_bytes
+
+
+def _nbytes_vs_shape(message: types_pb2.WeightVersion) -> None:
+    message.tensors[0].shape[0] += 1
+
+
+def _duplicate(message: types_pb2.WeightVersion) -> None:
+    message.tensors[1].name = message.tensors[0].name
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message_part"),
+    [
+        (_empty, "empty manifest"),
+        (_total_off, "total_bytes"),
+        (_bucket_gap, "bucket 1 covers"),
+        (_bucket_index, "has index 5"),
+        (_bad_dtype, "complex32"),
+        (_outside, "outside the weight buffer"),
+        (_nbytes_vs_shape, "nbytes"),
+        (_duplicate, "appears twice"),
+    ],
+)
+def test_inconsistent_manifest_rejected(corrupt, message_part: str) -> None:
+    message = _proto()
+    manifest_from_proto(message)  # consistent before the corruption
+    corrupt(message)
+    with pytest.raises(InvalidArgument, match=message_part):
+        manifest_from_proto(message)
+
+
+def test_shared_memory_create_attach_read_unlink() -> None:
+    state = _state()
+    size = packed_size(plan_layout(state))
+    name = f"grpo-test-{uuid.uuid4().hex[:10]}"
+    producer = create_segment(name, size)
+    try:
+        manifest = build_manifest(state, producer.buf[:size], bucket_bytes=256)
+        consumer = attach_segment(name)
+        try:
+            view = consumer.buf[: manifest.total_bytes]
+            verify_buckets(view, manifest.buckets)
+            rebuilt = {n: t.clone() for n, t in iter_tensors(view, manifest.tensors)}
+            del view
+        finally:
+            consumer.close()
+        assert all(torch.equal(rebuilt[n], t) for n, t in state.items())
+    finally:
+        producer.close()
+        producer.unlink()
+    with pytest.raises(FileNotFoundError):
+        attach_segment(name)
+
+
+_CONSUMER = """
+import sys
+from pathlib import Path
+from safetensors.torch import save_file
+from grpo.common.v1 import types_pb2
+from services.common.weights import attach_segment, iter_tensors, manifest_from_proto, verify_buckets
+manifest = manifest_from_proto(types_pb2.WeightVersion.FromString(Path(sys.argv[2]).read_bytes()))
+segment = attach_segment(sys.argv[1])
+view = segment.buf[: manifest.total_bytes]
+verify_buckets(view, manifest.buckets)
+save_file({n: t.clone() for n, t in iter_tensors(view, manifest.tensors)}, sys.argv[3])
+del view
+segment.close()
+"""
+
+
+def test_consumer_process_reads_segment_and_exit_does_not_unlink_it(tmp_path) -> None:
+    state = {k: v.contiguous() for k, v in _state().items() if v.numel()}
+    size = packed_size(plan_layout(state))
+    name = f"grpo-test-{uuid.uuid4().hex[:10]}"
+    producer = create_segment(name, size)
+    try:
+        manifest = build_manifest(state, producer.buf[:size], bucket_bytes=256)
+        message = types_pb2.WeightVersion(version=1)
+        manifest_to_proto(manifest, message)
+        (tmp_path / "manifest.pb").write_bytes(message.SerializeToString())
+        out = tmp_path / "read.safetensors"
+        args = [sys.executable, "-c", _CONSUMER, name, str(tmp_path / "manifest.pb"), str(out)]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "leaked shared_memory" not in done.stderr
+        rebuilt = load_file(out)
+        assert all(torch.equal(rebuilt[n], t) for n, t in state.items())
+        assert Path("/dev/shm", name).exists(), "the consumer's exit must not unlink the producer's segment"
+    finally:
+        producer.close()
+        producer.unlink()

@@ -1,0 +1,208 @@
+"""Training mechanics on a micro model: accumulation exactness, resume, LoRA export, scoring, schedules."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.learner.batching import Sample, collate, plan_micro_batches
+from services.learner.checkpoint import list_checkpoints
+from services.learner.losses import LOSSES, LossConfig
+from services.learner.model import LoraOptions
+from services.learner.trainer import OptimOptions, Trainer, TrainerOptions, lr_factor
+
+
+def make_trainer(model_dir: Path, **kwargs) -> Trainer:
+    return Trainer(TrainerOptions(model=str(model_dir), device="cpu", **kwargs))
+
+
+def grads(trainer: Trainer) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in trainer.params]
+
+
+# ---------------------------------------------------------------- batching
+
+
+def test_plan_respects_padded_budget_and_covers_every_sample():
+    lengths = [3, 9, 4, 4, 8, 1, 2]
+    plan = plan_micro_batches(lengths, token_budget=10)
+    assert sorted(i for group in plan for i in group) == list(range(len(lengths)))
+    for group in plan:
+        assert len(group) == 1 or len(group) * max(lengths[i] for i in group) <= 10
+
+
+def test_collate_aligns_completion_positions_with_the_predicting_logits():
+    mb = collate([Sample((5, 6), (7, 8, 9), (-1.0, -2.0, -3.0), 0.5), Sample((1,), (2,), (-0.5,), -1.0, 0.7)])
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9], [1, 2, 0, 0, 0]]
+    assert mb.positions.tolist() == [[1, 2, 3], [0, 0, 0]]  # logits at p-1+k predict completion token k
+    assert mb.mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert mb.behav.tolist() == [[-1, -2, -3], [-0.5, 0, 0]]
+    assert mb.temperature.tolist() == pytest.approx([1.0, 0.7])
+
+
+# ---------------------------------------------------------------- accumulation
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+def test_grad_accumulation_equals_one_big_batch_for_every_objective(micro_model_dir, kl_beta, make_samples):
+    trainer = make_trainer(micro_model_dir, loss=LossConfig(kl_beta=kl_beta))
+    samples = make_samples(9, seed=1)
+    for kind in LOSSES:
+        trainer.loss_cfg = LossConfig(kind=kind, kl_beta=kl_beta, max_completion_len=7)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        big = trainer.accumulate_gradients(samples, token_budget=10_000)
+        full = grads(trainer)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        small = trainer.accumulate_gradients(samples, token_budget=12)
+        assert big["micro_batches"] == 1 and small["micro_batches"] >= 4
+        assert small["loss"] == pytest.approx(big["loss"], rel=1e-5, abs=1e-7), kind
+        for a, b in zip(grads(trainer), full, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(micro_model_dir, make_samples):
+    samples = make_samples(4, seed=3)
+    results = []
+    for checkpointing in (False, True):
+        trainer = make_trainer(
+            micro_model_dir, gradient_checkpointing=checkpointing, lora=LoraOptions(rank=2)
+        )
+        trainer.accumulate_gradients(samples)
+        results.append(grads(trainer))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_positive_advantage_raises_the_sequence_logprob(micro_model_dir):
+    trainer = make_trainer(micro_model_dir, loss=LossConfig(kind="dapo"), optim=OptimOptions(lr=1e-2))
+    prompt, completion = [3, 4, 5], [6, 7, 8]
+    before = sum(trainer.score(prompt, completion, 1.0))
+    behav = tuple(trainer.score(prompt, completion, 1.0))
+    outcomes = [
+        trainer.train_step([Sample(tuple(prompt), tuple(completion), behav, 1.0)], f"b{step}")
+        for step in range(3)
+    ]
+    after = sum(trainer.score(prompt, completion, 1.0))
+    assert after > before + 0.1
+    assert outcomes[-1].weight_version == 3 and trainer.step == 3
+    assert outcomes[0].metrics["grad_norm"] > 0 and math.isfinite(outcomes[0].metrics["loss"])
+    # the ratio against the fixed behaviour policy grows until clip-higher stops the updates
+    assert outcomes[-1].metrics["ratio_mean"] > outcomes[0].metrics["ratio_mean"]
+
+
+# ---------------------------------------------------------------- scoring and export
+
+
+def test_score_equals_direct_log_softmax(micro_model_dir):
+    trainer = make_trainer(micro_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir, dtype=torch.float32).eval()
+    prompt, completion, temperature = [1, 2, 3, 4], [5, 6, 7], 0.7
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].double()  # [L, V]
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    expected = [logprobs[len(prompt) - 1 + k, tok].item() for k, tok in enumerate(completion)]
+    assert trainer.score(prompt, completion, temperature) == pytest.approx(expected, abs=1e-5)
+
+
+def test_full_export_has_hf_names_and_tied_lm_head(micro_model_dir):
+    trainer = make_trainer(micro_model_dir)
+    state = trainer.export()
+    assert "lm_head.weight" in state and "model.embed_tokens.weight" in state
+    torch.testing.assert_close(state["lm_head.weight"], state["model.embed_tokens.weight"])
+
+
+def test_lora_merged_export_equals_peft_forward(micro_model_dir, make_samples):
+    lora = LoraOptions(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    trainer = make_trainer(micro_model_dir, lora=lora, optim=OptimOptions(lr=5e-2))
+    for step in range(2):  # move LoRA B away from its zero init
+        trainer.train_step(make_samples(4, seed=step), f"b{step}")
+    state = trainer.export()
+    assert not any("lora" in k or "base_layer" in k or k.startswith("base_model") for k in state)
+    plain = AutoModelForCausalLM.from_pretrained(micro_model_dir, dtype=torch.float32)
+    assert set(state) == set(plain.state_dict())
+    plain.load_state_dict(state, strict=True)
+    plain.eval()
+    ids = torch.randint(0, 64, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = trainer.model(input_ids=ids).logits
+        got = plain(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(micro_model_dir, dtype=torch.float32)(
+            input_ids=ids
+        ).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert (expected - base).abs().max() > 1e-3  # the adapter really changed the model
+
+
+def test_adapter_only_export(micro_model_dir):
+    trainer = make_trainer(micro_model_dir, lora=LoraOptions(rank=2), export_format="adapter")
+    state = trainer.export()
+    assert state and all("lora_" in k for k in state)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("lora", [LoraOptions(), LoraOptions(rank=4, dropout=0.2)])
+def test_resume_equals_uninterrupted_run(micro_model_dir, tmp_path, lora, make_samples):
+    batches = [make_samples(5, seed=10 + i) for i in range(4)]
+    opts = {
+        "lora": lora,
+        "loss": LossConfig(kind="dapo"),
+        "optim": OptimOptions(lr=1e-2, warmup_steps=2, schedule="cosine", total_steps=6, weight_decay=0.01),
+    }
+    straight = make_trainer(micro_model_dir, **opts)
+    for i, batch in enumerate(batches):
+        straight.train_step(batch, f"b{i}")
+
+    first = make_trainer(micro_model_dir, checkpoint_dir=tmp_path, checkpoint_every=0, **opts)
+    for i, batch in enumerate(batches[:2]):
+        first.train_step(batch, f"b{i}")
+    first.save_checkpoint()  # what app.stop does on SIGTERM
+    del first
+    resumed = make_trainer(micro_model_dir, checkpoint_dir=tmp_path, resume=True, **opts)
+    assert (resumed.step, resumed.weight_version, resumed.last_batch_id) == (2, 2, "b1")
+    for i, batch in enumerate(batches[2:], start=2):
+        outcome = resumed.train_step(batch, f"b{i}")
+
+    assert outcome.weight_version == straight.weight_version == 4
+    expected = _state(straight)
+    for name, value in _state(resumed).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert resumed.scheduler.get_last_lr() == pytest.approx(straight.scheduler.get_last_lr())
+
+
+def test_periodic_checkpoints_are_atomic_and_pruned(micro_model_dir, tmp_path, make_samples):
+    trainer = make_trainer(micro_model_dir, checkpoint_dir=tmp_path, checkpoint_every=1, checkpoint_keep=2)
+    for i in range(3):
+        trainer.train_step(make_samples(2, seed=i), f"b{i}")
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["step_00000002", "step_00000003"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+    assert trainer.save_checkpoint() is None  # this step is already saved
+
+
+def test_resume_without_checkpoint_starts_fresh(micro_model_dir, tmp_path):
+    trainer = make_trainer(micro_model_dir, checkpoint_dir=tmp_path, resume=True)
+    assert trainer.weight_version == 0
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def test_lr_schedule_warmup_then_cosine():
+    optim = OptimOptions(warmup_steps=2, schedule="cosine", total_steps=6, min_lr_ratio=0.1)
+    factors = [lr_factor(s, optim) for s in range(7)]
+    assert factors[:2] == [0.5, 1.0]
+    assert factors[2] == pytest.approx(1.0)
+    assert factors[4] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine
+    assert factors[6] == pytest.approx(0.1)
+    assert lr_factor(5, replace(optim, schedule="constant")) == 1.0

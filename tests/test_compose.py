@@ -1,0 +1,232 @@
+"""docker-compose.yml checked against the code, since no Docker engine runs here.
+
+Per profile (cpu, gpu) each role runs once; commands name real service modules with the documented
+ports; healthchecks probe the same port for the role's full gRPC service name (and the stub really
+works against a live server); the scheduler waits for the others to be healthy; every GRPO_* variable
+names a settings field and, with the mounted run-config, validates; peer addresses point at real
+services. A role whose `services/<role>/config.py` is not written yet is skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import os
+import re
+import sys
+import typing
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from services.common.config import ServiceSettings
+from services.common.serve import start_server
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES: dict[str, dict] = COMPOSE["services"]
+PORTS = {"scheduler": 50050, "env": 50051, "rollout": 50052, "learner": 50053}  # documented defaults
+PROFILES = ("cpu", "gpu")
+ADDRESS = re.compile(r"^([a-z][a-z0-9-]*):(\d+)$")
+
+
+def _role(name: str) -> str:
+    command = SERVICES[name]["command"]
+    assert command[:2] == ["python", "-m"] and command[2].startswith("services."), command
+    return command[2].removeprefix("services.")
+
+
+def _flag(name: str, flag: str) -> str:
+    command = SERVICES[name]["command"]
+    assert command.count(flag) == 1, f"{name}: {flag} must appear once in {command}"
+    return command[command.index(flag) + 1]
+
+
+def _active(profile: str) -> dict[str, str]:
+    """role -> compose service for the services a profile starts."""
+    return {_role(n): n for n, s in SERVICES.items() if profile in s.get("profiles", [profile])}
+
+
+def _health_service_name(role: str) -> str:
+    module = importlib.import_module(f"grpo.{role}.v1.{role}_pb2")
+    (service,) = module.DESCRIPTOR.services_by_name.values()
+    return service.full_name
+
+
+def _settings_class(role: str) -> type[ServiceSettings]:
+    """The ServiceSettings subclass defined in services/<role>/config.py (skip while it is missing)."""
+    if not (ROOT / "services" / role / "config.py").exists():
+        pytest.skip(f"services/{role}/config.py is not written yet")
+    module = importlib.import_module(f"services.{role}.config")
+    found = [
+        cls
+        for cls in vars(module).values()
+        if inspect.isclass(cls) and issubclass(cls, ServiceSettings) and cls.__module__ == module.__name__
+    ]
+    assert len(found) == 1, f"services/{role}/config.py must define one ServiceSettings subclass: {found}"
+    return found[0]
+
+
+def _stub(name: str) -> str:
+    test = SERVICES[name]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"] and len(test) == 4, test
+    return test[3]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_each_profile_runs_every_role_once(profile: str) -> None:
+    roles = [_role(n) for n, s in SERVICES.items() if profile in s.get("profiles", [profile])]
+    assert sorted(roles) == sorted(PORTS), f"profile {profile}: {roles}"
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_command_port_and_healthcheck_agree(name: str) -> None:
+    role, service = _role(name), SERVICES[name]
+    port = int(_flag(name, "--port"))
+    assert port == PORTS[role]
+    published = [str(p).split(":")[-1] for p in service.get("ports", [])] + [
+        str(p) for p in service.get("expose", [])
+    ]
+    assert str(port) in published, f"{name}: port {port} neither exposed nor published"
+    stub = _stub(name)
+    assert re.findall(r"127\.0\.0\.1:(\d+)", stub) == [str(port)], stub
+    assert re.findall(r'service="([^"]+)"', stub) == [_health_service_name(role)], stub
+    _settings_class(role)  # skips while services/<role>/ is being written
+    assert (ROOT / "services" / role / "__main__.py").exists(), f"python -m services.{role} has no __main__"
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_scheduler_waits_for_the_others_to_be_healthy(profile: str) -> None:
+    active = _active(profile)
+    depends = SERVICES[active["scheduler"]].get("depends_on", {})
+    expected = {active[r] for r in ("env", "rollout", "learner")}
+    assert set(depends) == expected
+    assert all(d.get("condition") == "service_healthy" for d in depends.values()), depends
+    for role in ("env", "rollout", "learner"):
+        assert "depends_on" not in SERVICES[active[role]]
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_volumes_shared_data_and_run_config(name: str) -> None:
+    mounts = {m.split(":")[1]: m.split(":")[0] for m in SERVICES[name]["volumes"]}
+    assert mounts.get("/data") == "grpo-data" and "grpo-data" in COMPOSE["volumes"]
+    config = _flag(name, "--config")
+    assert config in mounts, f"{name}: --config {config} is not mounted"
+    assert (ROOT / mounts[config]).is_file(), mounts[config]
+
+
+def test_gpu_pair_shares_gpu_ipc_and_pid() -> None:
+    active = _active("gpu")
+    pair = [SERVICES[active[r]] for r in ("rollout", "learner")]
+    devices = [s["deploy"]["resources"]["reservations"]["devices"] for s in pair]
+    assert devices[0] == devices[1], "rollout and learner must reserve the same GPU(s)"
+    assert all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices[0])
+    assert all(s["ipc"] == "host" and s["pid"] == "host" for s in pair)
+    assert all(s["build"]["dockerfile"] == "docker/Dockerfile.gpu" for s in pair)
+    for role in ("rollout", "learner"):
+        if active[role] != role:  # peers address the role name: the variant must answer to it
+            assert role in SERVICES[active[role]]["networks"]["default"]["aliases"]
+
+
+def test_cpu_rollout_shares_the_learners_shared_memory() -> None:
+    active = _active("cpu")
+    assert SERVICES[active["learner"]]["ipc"] == "shareable"
+    assert SERVICES[active["rollout"]]["ipc"] == f"service:{active['learner']}"
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_dockerfiles_exist(name: str) -> None:
+    assert (ROOT / SERVICES[name]["build"]["dockerfile"]).is_file()
+
+
+def _field_path_error(cls: type[BaseModel], parts: list[str]) -> str | None:
+    """None if `parts` (lower-case) name a field, walking into nested models; else why not."""
+    model: type[BaseModel] | None = cls
+    for depth, part in enumerate(parts):
+        if model is None:
+            return None  # inside a dict/any-typed field: free-form keys
+        if part not in model.model_fields:
+            return f"{model.__name__} has no field {part!r} (path {'.'.join(parts[: depth + 1])})"
+        annotation = model.model_fields[part].annotation
+        candidates = [a for a in (annotation, *typing.get_args(annotation)) if inspect.isclass(a)]
+        model = next((a for a in candidates if issubclass(a, BaseModel)), None)
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_env_vars_name_settings_fields_and_validate(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    role = _role(name)
+    settings_cls = _settings_class(role)
+    prefix = f"GRPO_{role.upper()}__"
+    assert settings_cls.model_config.get("env_prefix") == prefix
+    environment = {k: str(v) for k, v in SERVICES[name].get("environment", {}).items()}
+    grpo_vars = {k: v for k, v in environment.items() if k.startswith("GRPO_")}
+    for key in grpo_vars:
+        assert key.startswith(prefix), f"{name}: {key} is not for {role} ({prefix}*)"
+        error = _field_path_error(settings_cls, key.removeprefix(prefix).lower().split("__"))
+        assert error is None, f"{name}: {key}: {error}"
+    for key in [k for k in os.environ if k.startswith("GRPO_")]:
+        monkeypatch.delenv(key)
+    for key, value in grpo_vars.items():
+        monkeypatch.setenv(key, value)
+    mounts = {m.split(":")[1]: m.split(":")[0] for m in SERVICES[name]["volumes"]}
+    settings = settings_cls.load(ROOT / mounts[_flag(name, "--config")], port=int(_flag(name, "--port")))
+    assert settings.host == "0.0.0.0", f"{name}: must bind all interfaces inside its container"
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_peer_addresses_point_at_services_of_the_same_profiles(name: str) -> None:
+    for key, value in SERVICES[name].get("environment", {}).items():
+        for address in re.findall(r"[a-z][a-z0-9-]*:\d+", str(value)):
+            host, port = ADDRESS.match(address).groups()
+            for profile in SERVICES[name].get("profiles", PROFILES):
+                active = _active(profile)
+                assert host in active, f"{name}: {key}={value}: no role {host!r} in profile {profile}"
+                assert int(port) == PORTS[host], f"{name}: {key}={value}: {host} listens on {PORTS[host]}"
+
+
+class _NamedApp:
+    """Serves nothing but health, under one service name."""
+
+    def __init__(self, service_name: str) -> None:
+        self.service_names = (service_name,)
+
+    def register(self, server: grpc.aio.Server) -> None:
+        return None
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+async def _run_stub(name: str, ready: bool) -> int:
+    role = _role(name)
+    app = _NamedApp(_health_service_name(role))
+    running = await start_server(app, ServiceSettings(port=0, grace_seconds=0.1))
+    try:
+        if not ready:
+            await running.set_ready(False)
+        stub = _stub(name).replace(f"127.0.0.1:{PORTS[role]}", running.address)
+        process = await asyncio.create_subprocess_exec(sys.executable, "-c", stub)
+        return await asyncio.wait_for(process.wait(), 60)
+    finally:
+        await running.close()
+
+
+@pytest.mark.parametrize("role", sorted(PORTS))
+async def test_healthcheck_stub_probes_readiness_of_a_live_server(role: str) -> None:
+    name = _active("cpu")[role]
+    assert await _run_stub(name, ready=True) == 0
+    if role == "learner":
+        assert await _run_stub(name, ready=False) != 0
+
+
+def test_stub_is_three_lines() -> None:
+    for name in SERVICES:
+        assert len(_stub(name).strip().splitlines()) == 3, name

@@ -14,7 +14,9 @@ import importlib
 import inspect
 import os
 import re
+import subprocess
 import sys
+import tomllib
 import typing
 from pathlib import Path
 
@@ -71,6 +73,18 @@ def _settings_class(role: str) -> type[ServiceSettings]:
     return found[0]
 
 
+def _mounts(name: str) -> dict[str, str]:
+    """container path -> source (named volume or host path relative to the repo)."""
+    return {m.split(":")[1]: m.split(":")[0] for m in SERVICES[name]["volumes"]}
+
+
+def _run_config(name: str) -> Path:
+    """The host file mounted where the service's --config points."""
+    config = _flag(name, "--config")
+    assert config in _mounts(name), f"{name}: --config {config} is not mounted"
+    return ROOT / _mounts(name)[config]
+
+
 def _stub(name: str) -> str:
     test = SERVICES[name]["healthcheck"]["test"]
     assert test[:3] == ["CMD", "python", "-c"] and len(test) == 4, test
@@ -112,11 +126,8 @@ def test_scheduler_waits_for_the_others_to_be_healthy(profile: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_volumes_shared_data_and_run_config(name: str) -> None:
-    mounts = {m.split(":")[1]: m.split(":")[0] for m in SERVICES[name]["volumes"]}
-    assert mounts.get("/data") == "grpo-data" and "grpo-data" in COMPOSE["volumes"]
-    config = _flag(name, "--config")
-    assert config in mounts, f"{name}: --config {config} is not mounted"
-    assert (ROOT / mounts[config]).is_file(), mounts[config]
+    assert _mounts(name).get("/data") == "grpo-data" and "grpo-data" in COMPOSE["volumes"]
+    assert _run_config(name).is_file()
 
 
 def test_gpu_pair_shares_gpu_ipc_and_pid() -> None:
@@ -173,8 +184,7 @@ def test_env_vars_name_settings_fields_and_validate(name: str, monkeypatch: pyte
         monkeypatch.delenv(key)
     for key, value in grpo_vars.items():
         monkeypatch.setenv(key, value)
-    mounts = {m.split(":")[1]: m.split(":")[0] for m in SERVICES[name]["volumes"]}
-    settings = settings_cls.load(ROOT / mounts[_flag(name, "--config")], port=int(_flag(name, "--port")))
+    settings = settings_cls.load(_run_config(name), port=int(_flag(name, "--port")))
     assert settings.host == "0.0.0.0", f"{name}: must bind all interfaces inside its container"
 
 
@@ -230,3 +240,19 @@ async def test_healthcheck_stub_probes_readiness_of_a_live_server(role: str) -> 
 def test_stub_is_three_lines() -> None:
     for name in SERVICES:
         assert len(_stub(name).strip().splitlines()) == 3, name
+
+
+def test_learner_and_rollout_serve_the_same_model() -> None:
+    config = tomllib.loads(_run_config("learner").read_text())
+    assert config["learner"]["model"] == config["rollout"]["model"]
+
+
+@pytest.mark.parametrize("role", sorted(PORTS))
+def test_command_module_runs_and_accepts_the_flags(role: str) -> None:
+    _settings_class(role)
+    (name,) = {n for n in SERVICES if _role(n) == role and "cpu" in SERVICES[n].get("profiles", ["cpu"])}
+    command = [sys.executable, *SERVICES[name]["command"][1:3], "--help"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for flag in SERVICES[name]["command"][3::2]:
+        assert flag in done.stdout, f"{name}: {flag} missing from --help"

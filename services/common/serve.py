@@ -36,6 +36,8 @@ class ServiceApp(Protocol):
     """What a service provides to the skeleton. `server.py` of each service builds one."""
 
     service_names: tuple[str, ...]
+    # The port the server actually bound (set by the skeleton before `start()`; matters with port 0).
+    bound_port: int | None
 
     def register(self, server: grpc.aio.Server) -> None:
         """Add the servicer(s) to the server."""
@@ -160,6 +162,7 @@ async def start_server(app: ServiceApp, settings: ServiceSettings) -> RunningSer
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     if port == 0:
         raise OSError(f"could not bind {settings.host}:{settings.port}")
+    app.bound_port = port  # before start(): e.g. the learner advertises host:port for weight fetches
     running = RunningServer(server, health_servicer, app, port, settings.grace_seconds)
     await running.set_ready(False)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

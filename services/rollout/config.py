@@ -67,7 +67,9 @@ class RolloutSettings(ServiceSettings):
     )
     hf_max_batch_size: int = Field(default=32, ge=1, description="transformers engine: samples per batch.")
     hf_num_threads: int = Field(
-        default=0, ge=0, description="transformers engine: torch CPU threads (0 = torch default; 1 on busy hosts)."
+        default=0,
+        ge=0,
+        description="transformers engine: torch CPU threads (0 = torch default; 1 on busy hosts).",
     )
     fetch_timeout_s: float = Field(
         default=300.0, gt=0, description="Deadline for fetching one weight version over grpc_stream."

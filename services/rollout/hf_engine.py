@@ -276,16 +276,18 @@ class HfEngine(RolloutEngine):
 
     def _load_from_segment(self, manifest: Manifest, segment_name: str, version: int) -> float:
         started = time.perf_counter()
+        expected = set(self._model.state_dict())
+        names = {t.name for t in manifest.tensors}
+        if names != expected:  # check before touching any weight
+            raise FailedPrecondition(
+                f"weights v{version} do not match the model: missing {sorted(expected - names)[:5]}, "
+                f"unexpected {sorted(names - expected)[:5]}"
+            )
         segment = attach_segment(segment_name)
         try:
             state = dict(iter_tensors(segment.buf, manifest.tensors))
-            result = self._model.load_state_dict(state, strict=False)
+            self._model.load_state_dict(state, strict=True)
             del state
-            if result.missing_keys or result.unexpected_keys:
-                raise FailedPrecondition(
-                    f"weights v{version} do not match the model: missing {result.missing_keys[:5]}, "
-                    f"unexpected {result.unexpected_keys[:5]}"
-                )
             self._version = version
         finally:
             gc.collect()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import importlib.util
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -68,12 +69,8 @@ class CommitResult:
 
 
 def vllm_available() -> bool:
-    """True when vLLM imports (the CPU or CUDA build)."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """True when vLLM is installed (the CPU or CUDA build); checked without importing it."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 def build_engine(settings: RolloutSettings) -> RolloutEngine:
@@ -134,7 +131,7 @@ class Rollout:
         self._tokenizer: Any = None
         self._vocab_size = 0
         self._status = Status.LOADING
-        self._in_flight = 0
+        self._in_flight: set[str] = set()
         self._tokens_generated = 0
         self._commit_lock = asyncio.Lock()
 
@@ -196,12 +193,14 @@ class Rollout:
             )
         return ids
 
-    def _admit(self) -> None:
+    def _admit(self, request_id: str) -> None:
         if self._status in (Status.LOADING, Status.DRAINING):
             raise Unavailable(f"rollout {self.rollout_id} is {self._status.value}")
-        if self._in_flight >= self.settings.max_in_flight:
+        if request_id in self._in_flight:
+            raise InvalidArgument(f"request_id {request_id!r} is already in flight")
+        if len(self._in_flight) >= self.settings.max_in_flight:
             raise ResourceExhausted(
-                f"rollout {self.rollout_id} has {self._in_flight} requests in flight (max_in_flight "
+                f"rollout {self.rollout_id} has {len(self._in_flight)} requests in flight (max_in_flight "
                 f"{self.settings.max_in_flight}); retry later"
             )
 
@@ -214,15 +213,15 @@ class Rollout:
         validate_sampling(sampling)
         if not request_id:
             raise InvalidArgument("request_id is empty")
-        self._admit()
-        self._in_flight += 1
+        self._admit(request_id)
+        self._in_flight.add(request_id)
         try:
             prompt_ids = await self.tokenize(prompt)
             async for completion in self._engine.generate(prompt_ids, sampling, request_id):
                 self._tokens_generated += len(completion.token_ids)
                 yield Generated(prompt.prompt_id, tuple(prompt_ids), sampling, completion)
         finally:
-            self._in_flight -= 1
+            self._in_flight.discard(request_id)
 
     async def score(
         self, prompt_ids: list[int], completion_ids: list[int], temperature: float
@@ -254,8 +253,12 @@ class Rollout:
             previous, self._status = self._status, Status.UPDATING
             try:
                 timings = await self._engine.load_weights(staged.manifest, staged.segment_name, version)
-            finally:
+            except BaseException:
+                await self._stager.put_back(staged)  # a retried CommitWeights can load it again
+                raise
+            else:
                 staged.release()
+            finally:
                 self._status = previous if previous != Status.UPDATING else Status.READY
             log.info(
                 "weights committed",
@@ -277,7 +280,7 @@ class Rollout:
             status=self._status,
             engine=self._engine.name,
             model=self.settings.model,
-            in_flight=self._in_flight,
+            in_flight=len(self._in_flight),
             max_in_flight=self.settings.max_in_flight,
             tokens_generated=self._tokens_generated,
         )

@@ -98,8 +98,8 @@ def validate_score_request(
     if not temperature > 0 or temperature == float("inf"):
         raise InvalidArgument(f"sequence.temperature must be > 0, got {temperature}")
     total = len(prompt_ids) + len(completion_ids)
-    if total > max_len:
-        raise InvalidArgument(f"sequence has {total} tokens, more than max_model_len {max_len}")
+    if total >= max_len:  # engines need room for one more position (vLLM rejects prompt == max_model_len)
+        raise InvalidArgument(f"sequence has {total} tokens; it must be shorter than max_model_len {max_len}")
     validate_token_ids(prompt_ids, vocab_size, "sequence.prompt_token_ids")
     validate_token_ids(completion_ids, vocab_size, "sequence.completion_token_ids")
 

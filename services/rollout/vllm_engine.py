@@ -89,7 +89,8 @@ class VllmEngine(RolloutEngine):
     async def start(self) -> None:
         options = self._options
         if options.kv_cache_space_gib > 0:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.kv_cache_space_gib))
+            # vLLM parses VLLM_CPU_KVCACHE_SPACE as whole GiB
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(options.kv_cache_space_gib))))
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -109,8 +110,9 @@ class VllmEngine(RolloutEngine):
             worker_extension_cls=WORKER_EXTENSION,
         )
         started = time.perf_counter()
-        # Blocks the loop while the engine core starts (the service is not ready before that anyway).
-        self._llm = AsyncLLM.from_engine_args(args)
+        # Built in a thread so the server keeps answering health checks during the (long) engine
+        # start; vLLM starts its output tasks lazily on this loop at the first call below.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         await self.set_weight_version(0)
         log.info("vllm engine started", model=options.model, start_s=round(time.perf_counter() - started, 2))
 

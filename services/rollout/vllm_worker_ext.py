@@ -51,10 +51,19 @@ class GrpoWorkerExtension:
             self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)  # type: ignore[attr-defined]
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            loaded = time.perf_counter()
         finally:
-            gc.collect()  # drop the frombuffer views so the mapping can close
-            try:
-                segment.close()
-            except BufferError:  # a view survived; the mapping goes away with the process
-                logging.getLogger(__name__).warning("segment %s still has views after loading", segment_name)
-        return {"worker_load_ms": (time.perf_counter() - started) * 1e3, "tensors": float(len(names))}
+            _close(segment)
+        return {"worker_load_ms": (loaded - started) * 1e3, "tensors": float(len(names))}
+
+
+def _close(segment) -> None:
+    """Unmap the segment; the frombuffer views normally died with the iterator, else collect them."""
+    try:
+        segment.close()
+    except BufferError:
+        gc.collect()
+        try:
+            segment.close()
+        except BufferError:  # a view survived; the mapping goes away with the process
+            logging.getLogger(__name__).warning("segment %s still has views after loading", segment.name)

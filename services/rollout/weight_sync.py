@@ -245,6 +245,14 @@ class WeightStager:
             self._staged = None
             return staged
 
+    async def put_back(self, staged: StagedWeights) -> None:
+        """Return a taken version whose load failed, unless something newer was staged meanwhile."""
+        async with self._lock:
+            if self._staged is None:
+                self._staged = staged
+            else:
+                staged.release()
+
     async def abort(self, version: int) -> bool:
         """Drop the staged `version` if it is the staged one. Returns whether something was dropped."""
         async with self._lock:

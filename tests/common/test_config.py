@@ -20,8 +20,8 @@ class Optim(BaseModel):
 class DemoSettings(ServiceSettings):
     """A service's settings as the services define them."""
 
-    config_table = "demo"
-    model_config = SettingsConfigDict(env_prefix="GRPO_DEMO__")
+    config_table = "cfgtest"
+    model_config = SettingsConfigDict(env_prefix="GRPO_CFGTEST__")
 
     batch_size: int = Field(default=1, description="Prompts per optimizer step.")
     name: str = Field(default="default", description="Run name shown in logs.")
@@ -33,7 +33,7 @@ class DemoSettings(ServiceSettings):
 def config_file(tmp_path: Path) -> Path:
     path = tmp_path / "run.toml"
     path.write_text(
-        '[demo]\nbatch_size = 2\nname = "from-file"\n\n[demo.optim]\nlr = 0.5\nwarmup = 7\n\n'
+        '[cfgtest]\nbatch_size = 2\nname = "from-file"\n\n[cfgtest.optim]\nlr = 0.5\nwarmup = 7\n\n'
         "[other]\nbatch_size = 99\n"
     )
     return path
@@ -42,7 +42,7 @@ def config_file(tmp_path: Path) -> Path:
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GRPO_CONFIG", raising=False)
-    for key in [k for k in os.environ if k.upper().startswith("GRPO_DEMO__")]:
+    for key in [k for k in os.environ if k.upper().startswith("GRPO_CFGTEST__")]:
         monkeypatch.delenv(key)
 
 
@@ -59,16 +59,16 @@ def test_file_table_overrides_defaults_and_other_tables_are_ignored(config_file:
 
 
 def test_env_overrides_file_field_by_field(config_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GRPO_DEMO__BATCH_SIZE", "3")
-    monkeypatch.setenv("GRPO_DEMO__OPTIM__LR", "0.25")
+    monkeypatch.setenv("GRPO_CFGTEST__BATCH_SIZE", "3")
+    monkeypatch.setenv("GRPO_CFGTEST__OPTIM__LR", "0.25")
     settings = DemoSettings.load(config_file)
     assert (settings.batch_size, settings.name) == (3, "from-file")
     assert (settings.optim.lr, settings.optim.warmup) == (0.25, 7)  # nested: only lr replaced
 
 
 def test_cli_overrides_env_and_file(config_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GRPO_DEMO__BATCH_SIZE", "3")
-    monkeypatch.setenv("GRPO_DEMO__NAME", "from-env")
+    monkeypatch.setenv("GRPO_CFGTEST__BATCH_SIZE", "3")
+    monkeypatch.setenv("GRPO_CFGTEST__NAME", "from-env")
     argv = ["--config", str(config_file), "--batch-size", "4", "--optim.lr", "0.125", "--verbose"]
     settings = DemoSettings.from_cli(argv)
     assert (settings.batch_size, settings.name, settings.verbose) == (4, "from-env", True)
@@ -82,14 +82,14 @@ def test_config_file_from_grpo_config_env(config_file: Path, monkeypatch: pytest
 
 def test_unknown_field_in_file_table_rejected(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text("[demo]\nbatch_sise = 2\n")
+    path.write_text("[cfgtest]\nbatch_sise = 2\n")
     with pytest.raises(ValidationError, match="batch_sise"):
         DemoSettings.load(path)
 
 
 def test_unknown_env_variable_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GRPO_DEMO__BATCH_SISE", "2")
-    with pytest.raises(ValueError, match="GRPO_DEMO__BATCH_SISE"):
+    monkeypatch.setenv("GRPO_CFGTEST__BATCH_SISE", "2")
+    with pytest.raises(ValueError, match="GRPO_CFGTEST__BATCH_SISE"):
         DemoSettings.load()
 
 
@@ -103,7 +103,7 @@ def test_unknown_keyword_and_flag_rejected(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_invalid_value_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GRPO_DEMO__BATCH_SIZE", "many")
+    monkeypatch.setenv("GRPO_CFGTEST__BATCH_SIZE", "many")
     with pytest.raises(ValidationError, match="batch_size"):
         DemoSettings.load()
 

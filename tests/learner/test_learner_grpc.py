@@ -41,7 +41,7 @@ async def learner(model_dir, tmp_path):
     )
     app = LearnerApp(settings)
     running = await start_server(app, settings)
-    app.bound_port = running.port
+    assert app.bound_port == running.port
     channel = open_channel(running.address)
     try:
         yield learner_pb2_grpc.LearnerServiceStub(channel), app

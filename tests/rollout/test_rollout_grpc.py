@@ -40,9 +40,13 @@ class Running:
         self.channel = channel
         self.stub = rollout_pb2_grpc.RolloutServiceStub(channel)
 
-    async def generate(self, prompt: types_pb2.Prompt, **sampling) -> list[types_pb2.Completion]:
+    async def generate(
+        self, prompt: types_pb2.Prompt, request_id: str = "", **sampling
+    ) -> list[types_pb2.Completion]:
         request = rollout_pb2.GenerateRequest(
-            request_id=uuid.uuid4().hex, prompt=prompt, sampling_params=types_pb2.SamplingParams(**sampling)
+            request_id=request_id or uuid.uuid4().hex,
+            prompt=prompt,
+            sampling_params=types_pb2.SamplingParams(**sampling),
         )
         return [r.completion async for r in self.stub.Generate(request, timeout=TIMEOUT)]
 
@@ -67,8 +71,8 @@ async def _close(server: Running) -> None:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(rollout_model_dir: Path):
-    started = await _start(settings_for(rollout_model_dir))
+async def server(tiny_model_dir: Path):
+    started = await _start(settings_for(tiny_model_dir))
     yield started
     await _close(started)
 
@@ -161,10 +165,9 @@ async def test_max_in_flight_gives_resource_exhausted(server: Running) -> None:
     held = server.app.rollout.engine._executor.submit(gate.wait)  # type: ignore[attr-defined]
     calls = []
     try:
-        for _ in range(4):
-            calls.append(
-                asyncio.ensure_future(server.generate(_text_prompt(), n=1, temperature=1.0, max_tokens=2))
-            )
+        for i in range(4):
+            call = server.generate(_text_prompt(), request_id=f"held-{i}", n=1, temperature=1.0, max_tokens=2)
+            calls.append(asyncio.ensure_future(call))
         for _ in range(200):
             if (await server.state()).in_flight == 4:
                 break
@@ -174,6 +177,10 @@ async def test_max_in_flight_gives_resource_exhausted(server: Running) -> None:
             await server.generate(_text_prompt(), n=1, temperature=1.0, max_tokens=2)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_in_flight 4" in info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await server.generate(_text_prompt(), request_id="held-0", n=1, temperature=1.0, max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "already in flight" in info.value.details()
     finally:
         gate.set()
         held.result(timeout=TIMEOUT)
@@ -182,18 +189,18 @@ async def test_max_in_flight_gives_resource_exhausted(server: Running) -> None:
     assert (await server.state()).in_flight == 0
 
 
-async def test_state_reports_engine_and_limits(server: Running, rollout_model_dir: Path) -> None:
+async def test_state_reports_engine_and_limits(server: Running, tiny_model_dir: Path) -> None:
     state = await server.state()
     assert state.rollout_id == "hf-test" and state.engine == "transformers"
-    assert state.model == str(rollout_model_dir)
+    assert state.model == str(tiny_model_dir)
     assert state.status == rollout_pb2.ROLLOUT_STATUS_READY
     assert state.max_in_flight == 4 and state.staged_version == -1
 
 
 async def test_weight_updates_over_grpc_stream_and_shared_memory(
-    rollout_model_dir: Path, reference_model
+    tiny_model_dir: Path, reference_model
 ) -> None:
-    server = await _start(settings_for(rollout_model_dir, rollout_id="hf-update"))
+    server = await _start(settings_for(tiny_model_dir, rollout_id="hf-update"))
     prompt = _text_prompt("5+6=")
     try:
         async with WeightsServer() as learner:
@@ -281,6 +288,15 @@ async def _check_sync_errors(server: Running, learner: WeightsServer, state) -> 
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await server.stub.CommitWeights(rollout_pb2.CommitWeightsRequest(version=5), timeout=TIMEOUT)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not staged" in info.value.details()
+    bogus = {**state, "bogus.weight": torch.zeros(3)}
+    await stage(learner.publish(7, Packed(bogus)))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await server.stub.CommitWeights(rollout_pb2.CommitWeightsRequest(version=7), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "unexpected ['bogus.weight']" in info.value.details()
+    state_now = await server.state()
+    assert (state_now.weight_version, state_now.staged_version) == (2, 7)  # kept for a retry
+    await server.stub.AbortWeights(rollout_pb2.AbortWeightsRequest(version=7), timeout=TIMEOUT)
     await stage(learner.publish(6, Packed(state)))
     assert (await server.state()).staged_version == 6
     await server.stub.AbortWeights(rollout_pb2.AbortWeightsRequest(version=6), timeout=TIMEOUT)

@@ -68,8 +68,9 @@ def test_score_request_checks() -> None:
         validate_score_request([1], [1], 0.0, 10, 8)
     with pytest.raises(InvalidArgument, match=r"completion_token_ids\[1\] = 10"):
         validate_score_request([1], [1, 10], 1.0, 10, 8)
+    validate_score_request([1] * 4, [1] * 3, 1.0, 10, 8)
     with pytest.raises(InvalidArgument, match="max_model_len"):
-        validate_score_request([1] * 5, [1] * 4, 1.0, 10, 8)
+        validate_score_request([1] * 4, [1] * 4, 1.0, 10, 8)
 
 
 def test_spans_merge_adjacent_labels_and_parse_versions() -> None:

@@ -53,7 +53,7 @@ class RolloutLoad(_message.Message):
     def __init__(self, rollout_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("learner_version", "step", "paused", "groups_by_state", "queue_depths", "rollouts", "staleness_mean")
+    __slots__ = ("learner_version", "step", "paused", "groups_by_state", "queue_depths", "rollouts", "staleness_mean", "finished", "max_steps", "logprob_abs_diff_max", "error")
     class GroupsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,10 @@ class GetStatusResponse(_message.Message):
     QUEUE_DEPTHS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_ABS_DIFF_MAX_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     learner_version: int
     step: int
     paused: bool
@@ -82,7 +86,11 @@ class GetStatusResponse(_message.Message):
     queue_depths: _containers.ScalarMap[str, int]
     rollouts: _containers.RepeatedCompositeFieldContainer[RolloutLoad]
     staleness_mean: float
-    def __init__(self, learner_version: _Optional[int] = ..., step: _Optional[int] = ..., paused: _Optional[bool] = ..., groups_by_state: _Optional[_Mapping[str, int]] = ..., queue_depths: _Optional[_Mapping[str, int]] = ..., rollouts: _Optional[_Iterable[_Union[RolloutLoad, _Mapping]]] = ..., staleness_mean: _Optional[float] = ...) -> None: ...
+    finished: bool
+    max_steps: int
+    logprob_abs_diff_max: float
+    error: str
+    def __init__(self, learner_version: _Optional[int] = ..., step: _Optional[int] = ..., paused: _Optional[bool] = ..., groups_by_state: _Optional[_Mapping[str, int]] = ..., queue_depths: _Optional[_Mapping[str, int]] = ..., rollouts: _Optional[_Iterable[_Union[RolloutLoad, _Mapping]]] = ..., staleness_mean: _Optional[float] = ..., finished: _Optional[bool] = ..., max_steps: _Optional[int] = ..., logprob_abs_diff_max: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,159 @@
+"""`make demo`: the embedded default run, end to end on one machine.
+
+Builds the tiny model if needed, writes one run-config file for all four services, starts them as
+local processes (env, learner and rollout first, the scheduler once they are ready), follows the
+run with a progress bar, stops everything with SIGTERM, and writes `metrics.jsonl`, `reward.png`
+and `summary.json` into the run directory.
+
+    python -m services.launch demo --steps 40 --run-dir runs/demo [--model PATH_OR_ID] [--loss dapo]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Literal
+
+import tomli_w
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from tqdm import tqdm
+
+from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.clients import open_channel
+from services.common.tiny_model import DEMO_TASK, build_tiny_model
+from services.launch.processes import ServiceFailed, ServiceProcess
+from services.launch.report import plot_reward, read_metrics, summarize
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_DIR = REPO / ".cache" / "tiny-model-warm"
+
+
+class DemoSettings(BaseSettings):
+    """Options of the embedded demo run (also `GRPO_DEMO__*` env vars)."""
+
+    model_config = SettingsConfigDict(env_prefix="GRPO_DEMO__", cli_kebab_case=True, extra="forbid")
+
+    steps: int = Field(default=40, ge=1, description="Optimizer steps to run.")
+    run_dir: Path = Field(default=Path("runs/demo"), description="Output directory (metrics.jsonl, reward.png, logs/).")
+    model: str = Field(default="", description="HF model id or local path; empty = build the tiny model.")
+    warm_start_steps: int = Field(default=120, ge=0, description="Supervised warm-start steps of the tiny model.")
+    engine: Literal["auto", "vllm", "transformers"] = Field(default="auto", description="Rollout engine.")
+    rollouts: int = Field(default=1, ge=1, description="Number of rollout processes.")
+    env: str = Field(default="arithmetic", description="Environment spec (built-in name, module:Class, file.py:Class).")
+    env_arg: list[str] = Field(default_factory=list, description="Environment option key=value (repeatable).")
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field(default="grpo", description="Objective.")
+    lr: float = Field(default=2e-4, gt=0, description="Learner learning rate.")
+    lora_rank: int = Field(default=0, ge=0, description="LoRA rank; 0 = full fine-tune.")
+    transport: Literal["grpc_stream", "shared_memory"] = Field(default="grpc_stream", description="Weight transport.")
+    group_size: int = Field(default=8, ge=2, description="Completions per prompt.")
+    groups_per_batch: int = Field(default=16, ge=1, description="Prompt groups per step.")
+    max_tokens: int = Field(default=6, ge=1, description="Max completion tokens.")
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
+    max_staleness: int = Field(default=1, ge=0, description="Max policy lag in versions.")
+    eval_every: int = Field(default=10, ge=0, description="Evaluate every N steps (and at step 0); 0 = off.")
+    eval_prompts: int = Field(default=100, ge=1, description="Held-out prompts per evaluation.")
+    startup_timeout: float = Field(default=900.0, gt=0, description="Seconds for all services to become ready.")
+
+
+def run_config(cfg: DemoSettings, model: str) -> dict:
+    """The one run-config file shared by the four services (a table each)."""
+    env_args = {} if cfg.env_arg or cfg.env != "arithmetic" else dict(DEMO_TASK)
+    run_dir = cfg.run_dir.resolve()
+    return {
+        "env": {"spec": cfg.env, "env_args": env_args, "env_arg": cfg.env_arg},
+        "learner": {"model": model, "dtype": "float32", "loss": cfg.loss, "lr": cfg.lr, "lora_rank": cfg.lora_rank,
+                    "max_completion_len": cfg.max_tokens, "checkpoint_dir": str(run_dir / "checkpoints")},
+        "rollout": {"model": model, "engine": cfg.engine, "dtype": "float32", "max_model_len": 512, "kv_cache_space_gib": 1,
+                    "max_in_flight": cfg.groups_per_batch * (cfg.max_staleness + 1)},
+        "scheduler": {"group_size": cfg.group_size, "groups_per_batch": cfg.groups_per_batch,
+                      "max_steps": cfg.steps, "max_staleness": cfg.max_staleness,
+                      "weight_transport": cfg.transport, "eval_every": cfg.eval_every,
+                      "eval_prompts": cfg.eval_prompts, "run_dir": str(run_dir),
+                      "sampling": {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}},
+    }
+
+
+async def follow(scheduler_address: str, cfg: DemoSettings, processes: list[ServiceProcess]) -> scheduler_pb2.GetStatusResponse:
+    """Poll the scheduler until the run finishes or fails, drawing a progress bar."""
+    channel = open_channel(scheduler_address)
+    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    try:
+        with tqdm(total=cfg.steps, desc="training", unit="step") as bar:
+            while True:
+                for proc in processes:
+                    proc.check_alive()
+                status = await stub.GetStatus(scheduler_pb2.GetStatusRequest(), timeout=10)
+                bar.update(status.step - bar.n)
+                rows = read_metrics(cfg.run_dir)
+                if rows and "reward_mean" in rows[-1]:
+                    bar.set_postfix(reward=f"{rows[-1]['reward_mean']:.3f}", v=status.learner_version)
+                if status.finished or status.error:
+                    return status
+                await asyncio.sleep(1.0)
+    finally:
+        await channel.close()
+
+
+async def run_demo(cfg: DemoSettings) -> int:
+    started = time.perf_counter()
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    model = cfg.model
+    if not model:
+        print(f"building the tiny model in {DEFAULT_MODEL_DIR} (once) ...", flush=True)
+        model = str(await asyncio.to_thread(build_tiny_model, DEFAULT_MODEL_DIR, warm_start_steps=cfg.warm_start_steps))
+    config_path = cfg.run_dir / "run.toml"
+    config_path.write_text(tomli_w.dumps(run_config(cfg, model)))
+    common = ["--config", str(config_path)]
+    workers = [ServiceProcess("env", cfg.run_dir, common), ServiceProcess("learner", cfg.run_dir, common)]
+    workers += [ServiceProcess("rollout", cfg.run_dir, [*common, "--rollout-id", f"rollout-{i}"], label=f"rollout-{i}")
+                for i in range(cfg.rollouts)]
+    scheduler = None
+    try:
+        for proc in workers:
+            proc.start()
+        print("starting services (first start compiles the model; this can take a minute) ...", flush=True)
+        addresses = await asyncio.gather(*(p.wait_ready(cfg.startup_timeout) for p in workers))
+        by_name = dict(zip([p.name for p in workers], addresses, strict=False))
+        rollout_addresses = [a for p, a in zip(workers, addresses, strict=True) if p.name == "rollout"]
+        scheduler = ServiceProcess("scheduler", cfg.run_dir, common, env={
+            "GRPO_SCHEDULER__ENV_ADDRESS": by_name["env"],
+            "GRPO_SCHEDULER__LEARNER_ADDRESS": by_name["learner"],
+            "GRPO_SCHEDULER__ROLLOUT_ADDRESSES": json.dumps(rollout_addresses),
+        })
+        scheduler.start()
+        status = await follow(await scheduler.wait_ready(cfg.startup_timeout), cfg, [*workers, scheduler])
+    except ServiceFailed as exc:
+        print(f"\nerror: {exc}", flush=True)
+        return 1
+    finally:
+        for proc in ([scheduler] if scheduler else []) + workers[::-1]:
+            proc.terminate()
+    return report(cfg, status, time.perf_counter() - started)
+
+
+def report(cfg: DemoSettings, status: scheduler_pb2.GetStatusResponse, wall_s: float) -> int:
+    rows = read_metrics(cfg.run_dir)
+    summary = {**summarize(rows), "wall_s": round(wall_s, 1), "error": status.error}
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if rows:
+        plot_reward(rows, cfg.run_dir / "reward.png")
+    print(json.dumps(summary, indent=2))
+    if status.error:
+        print(f"run failed: {status.error} (logs in {cfg.run_dir / 'logs'})")
+        return 1
+    print(f"wrote {cfg.run_dir / 'metrics.jsonl'} and {cfg.run_dir / 'reward.png'}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    from pydantic_settings import CliSettingsSource
+
+    source = CliSettingsSource(DemoSettings, cli_prog_name="python -m services.launch demo", cli_kebab_case=True)
+    cfg = DemoSettings(_cli_settings_source=source(args=argv))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return asyncio.run(run_demo(cfg))

@@ -1,0 +1,110 @@
+"""Starting the services as local processes and stopping them the right way (SIGTERM to our own pids)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.clients import open_channel
+
+READINESS = {
+    "env": "grpo.env.v1.EnvironmentService",
+    "rollout": "grpo.rollout.v1.RolloutService",
+    "learner": "grpo.learner.v1.LearnerService",
+    "scheduler": "grpo.scheduler.v1.SchedulerService",
+}
+
+
+class ServiceFailed(RuntimeError):
+    """A service process exited or never became ready; the message carries its log tail."""
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    run_dir: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    label: str = ""  # distinguishes several processes of one service (port and log file names)
+    process: subprocess.Popen | None = None
+
+    @property
+    def tag(self) -> str:
+        return self.label or self.name
+
+    @property
+    def port_file(self) -> Path:
+        return self.run_dir / f"{self.tag}.port"
+
+    @property
+    def log_file(self) -> Path:
+        return self.run_dir / "logs" / f"{self.tag}.log"
+
+    def start(self) -> None:
+        self.port_file.unlink(missing_ok=True)
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", f"services.{self.name}", "--port", "0",
+                   "--port-file", str(self.port_file), *self.args]
+        with self.log_file.open("w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **self.env}, stdin=subprocess.DEVNULL)
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_file.exists():
+            return ""
+        return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+
+    def check_alive(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise ServiceFailed(f"{self.tag} exited with code {self.process.returncode}; log tail:\n{self.log_tail()}")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{int(self.port_file.read_text())}"
+
+    async def wait_ready(self, timeout: float) -> str:
+        """Wait for the port file, then for readiness SERVING on grpc.health.v1; returns host:port."""
+        deadline = time.monotonic() + timeout
+        while not (self.port_file.exists() and self.port_file.read_text().strip()):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise ServiceFailed(f"{self.name} did not bind a port within {timeout:.0f}s:\n{self.log_tail()}")
+            await asyncio.sleep(0.2)
+        channel = open_channel(self.address)
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            while True:
+                self.check_alive()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ServiceFailed(f"{self.name} not ready within {timeout:.0f}s:\n{self.log_tail()}")
+                try:
+                    response = await stub.Check(health_pb2.HealthCheckRequest(service=READINESS[self.name]),
+                                                timeout=min(5.0, remaining))
+                    if response.status == health_pb2.HealthCheckResponse.SERVING:
+                        return self.address
+                except grpc.aio.AioRpcError:
+                    pass  # not listening yet or still loading: poll again until the deadline
+                await asyncio.sleep(0.5)
+        finally:
+            await channel.close()
+
+    def terminate(self, grace: float = 30.0) -> int | None:
+        """SIGTERM this process (our own pid, never by name); SIGKILL only if it ignores the grace period."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()

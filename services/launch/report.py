@@ -1,0 +1,66 @@
+"""Summaries and plots of a finished run, from `<run_dir>/metrics.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if not r.get("eval_only")]
+
+
+def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
+    """Before/after reward (mean of the first/last `window` steps), eval accuracy, speed and sync numbers."""
+    steps = step_rows(rows)
+    if not steps:
+        return {"steps": 0}
+    evals = [r for r in rows if "eval/accuracy" in r]
+    med = lambda key: statistics.median(r[key] for r in steps if r.get(key) is not None)  # noqa: E731
+    summary = {
+        "steps": len(steps),
+        "reward_first": statistics.fmean(r["reward_mean"] for r in steps[:window]),
+        "reward_last": statistics.fmean(r["reward_mean"] for r in steps[-window:]),
+        "tokens_per_s_median": med("tokens_per_s"),
+        "sync_ms_median": med("sync_ms"),
+        "weight_transport": steps[-1].get("weight_transport"),
+        "logprob_abs_diff_max": max(r["logprob_abs_diff_max"] for r in steps),
+        "staleness_mean": statistics.fmean(r["staleness_mean"] for r in steps),
+        "versions_advance_by_one": all(b["weight_version"] - a["weight_version"] == 1 for a, b in zip(steps, steps[1:])),
+    }
+    if evals:
+        summary["eval_accuracy_first"] = evals[0]["eval/accuracy"]
+        summary["eval_accuracy_last"] = evals[-1]["eval/accuracy"]
+    return summary
+
+
+def plot_reward(rows: list[dict[str, Any]], out: Path) -> None:
+    """reward.png: training reward per step (and eval accuracy where measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = step_rows(rows)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], label="train reward (mean)", lw=1.2)
+    evals = [r for r in rows if "eval/accuracy" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="eval accuracy")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("reward")
+    ax.set_title("grpo-mesh run")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

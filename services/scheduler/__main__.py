@@ -1,0 +1,4 @@
+from services.scheduler.server import main
+
+if __name__ == "__main__":
+    main()

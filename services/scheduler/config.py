@@ -1,0 +1,76 @@
+"""Scheduler settings (`[scheduler]` table, `GRPO_SCHEDULER__*` env vars, `python -m services.scheduler --help`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.config import ServiceSettings
+
+
+class SamplingSettings(BaseModel):
+    """Sampling for training rollouts. Keep top_p=1/top_k=0 so learner and behaviour logprobs match."""
+
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature (learner uses the same).")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling; 1.0 = off.")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling; 0 = off.")
+    max_tokens: int = Field(default=8, ge=1, description="Max completion tokens.")
+
+
+class TimeoutSettings(BaseModel):
+    """Deadlines (seconds) of the scheduler's outbound calls."""
+
+    connect: float = Field(default=120.0, description="Waiting for a peer's channel to connect at start.")
+    control: float = Field(default=30.0, description="Small control RPCs (state, prepare, release).")
+    generate: float = Field(default=300.0, description="One Generate stream (a whole group).")
+    score: float = Field(default=120.0, description="Scoring one group.")
+    train_step: float = Field(default=600.0, description="One learner TrainStep.")
+    weight_sync: float = Field(default=300.0, description="Staging or committing one weight version.")
+
+
+class SchedulerSettings(ServiceSettings):
+    """The orchestrator: pumps prompts to rollouts, scores, batches, trains and syncs weights."""
+
+    config_table = "scheduler"
+    model_config = SettingsConfigDict(env_prefix="GRPO_SCHEDULER__")
+
+    env_address: str = Field(default="127.0.0.1:50051", description="Environment service host:port.")
+    learner_address: str = Field(default="127.0.0.1:50053", description="Learner service host:port.")
+    rollout_addresses: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1:50052"],
+        description="Rollout services host:port (more can join with RegisterWorker).",
+    )
+    group_size: int = Field(default=8, ge=2, description="Completions per prompt (G).")
+    groups_per_batch: int = Field(default=16, ge=1, description="Prompt groups per optimizer step (B).")
+    max_steps: int = Field(default=0, ge=0, description="Stop after this many optimizer steps; 0 = run until stopped.")
+    max_staleness: int = Field(
+        default=1,
+        ge=0,
+        description="Max versions between the oldest token of a group and the step that trains it "
+        "(0 = on-policy). Enforced by admission control; late groups are dropped and re-issued.",
+    )
+    advantage_mode: Literal["auto", "group_std", "group_mean", "batch_std"] = Field(
+        default="auto", description="How rewards become advantages; auto = the usual mode for the learner's loss."
+    )
+    weight_transport: Literal["grpc_stream", "shared_memory"] = Field(
+        default="grpc_stream", description="How rollouts receive new weights (cuda_ipc/nccl: not yet)."
+    )
+    alignment_threshold: float = Field(
+        default=1e-3, gt=0, description="Max |learner - rollout| logprob on the probe after a sync before failing."
+    )
+    alignment_action: Literal["fail", "warn"] = Field(
+        default="fail", description="What to do when the alignment probe exceeds the threshold."
+    )
+    eval_every: int = Field(default=0, ge=0, description="Evaluate on the env's eval split every N steps; 0 = off.")
+    eval_prompts: int = Field(default=64, ge=1, description="Eval prompts per evaluation.")
+    eval_samples: int = Field(default=1, ge=1, description="Completions per eval prompt (pass@k for k ≤ this).")
+    eval_temperature: float = Field(default=1.0, gt=0, description="Sampling temperature for evaluation.")
+    prompt_buffer: int = Field(default=64, ge=1, description="Prompts fetched ahead from the env (bounded queue).")
+    health_interval_seconds: float = Field(default=2.0, gt=0, description="How often rollouts are polled.")
+    autostart: bool = Field(default=True, description="Start training as soon as the peers are ready.")
+    run_dir: Path = Field(default=Path("runs/latest"), description="Where metrics.jsonl is written.")
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="Training sampling.")
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings, description="Client-call deadlines.")

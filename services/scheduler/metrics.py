@@ -1,0 +1,55 @@
+"""Per-step run metrics: one JSON object per optimizer step appended to `<run_dir>/metrics.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+REQUIRED_KEYS = (
+    "step",
+    "weight_version",
+    "reward_mean",
+    "loss",
+    "staleness_mean",
+    "sync_ms",
+    "logprob_abs_diff_max",
+    "tokens_per_s",
+)
+
+
+class MetricsLog:
+    """Appends one line per step and flushes it, so a crash loses at most the current step."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        clean.setdefault("time", time.time())
+        self._file.write(json.dumps(clean, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TokenRate:
+    """Completion tokens generated per second between two reads."""
+
+    def __init__(self) -> None:
+        self._tokens = 0
+        self._since = time.perf_counter()
+
+    def add(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def take(self) -> float:
+        now = time.perf_counter()
+        rate = self._tokens / max(now - self._since, 1e-9)
+        self._tokens, self._since = 0, now
+        return rate

@@ -1,0 +1,70 @@
+"""Pure scheduling policy: staleness, admission control, rollout choice, batch assembly.
+
+Staleness of a group = the learner version it is trained at minus the oldest weight version that
+produced any of its tokens. Admission control keeps it bounded *before* generation (AReaL-style):
+with B groups per step, at most (max_staleness + 1)·B groups may be in the pipeline, so no group can
+wait more than `max_staleness` steps; groups that still exceed the bound at batch time (e.g. after a
+slow rollout) are dropped and their prompt re-issued, never silently trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from grpo.common.v1 import types_pb2
+from services.common.advantages import compute_advantages
+
+
+def oldest_version(completions: Sequence[types_pb2.Completion]) -> int:
+    """Oldest weight version that produced any token of these completions."""
+    versions = [span.version for c in completions for span in c.version_spans]
+    if not versions:
+        raise ValueError("completions carry no weight-version spans")
+    return min(versions)
+
+
+def group_staleness(completions: Sequence[types_pb2.Completion], train_version: int) -> int:
+    return train_version - oldest_version(completions)
+
+
+def admission_capacity(in_pipeline: int, groups_per_batch: int, max_staleness: int) -> int:
+    """How many more groups may be issued now."""
+    return max(0, (max_staleness + 1) * groups_per_batch - in_pipeline)
+
+
+@dataclass
+class RolloutSlot:
+    """What the dispatcher needs to know about one rollout."""
+
+    rollout_id: str
+    in_flight: int
+    max_in_flight: int
+    version: int
+    healthy: bool
+
+
+def pick_rollout(slots: Sequence[RolloutSlot], learner_version: int, max_staleness: int) -> str | None:
+    """The least-loaded healthy rollout with a free credit and fresh-enough weights (ties: by id)."""
+    eligible = [
+        s
+        for s in slots
+        if s.healthy and s.in_flight < s.max_in_flight and learner_version - s.version <= max_staleness
+    ]
+    if not eligible:
+        return None
+    return min(eligible, key=lambda s: (s.in_flight / max(1, s.max_in_flight), s.in_flight, s.rollout_id)).rollout_id
+
+
+def build_train_batch(
+    groups: Sequence[types_pb2.ScoredGroup], step: int, batch_id: str, advantage_mode: str
+) -> types_pb2.TrainBatch:
+    """Fill each group's advantages (mode over the whole batch) and wrap them as a TrainBatch."""
+    advantages = compute_advantages([list(g.rewards) for g in groups], advantage_mode)
+    batch = types_pb2.TrainBatch(batch_id=batch_id, step=step)
+    for group, group_adv in zip(groups, advantages, strict=True):
+        out = batch.groups.add()
+        out.CopyFrom(group)
+        del out.advantages[:]
+        out.advantages.extend(group_adv)
+    return batch

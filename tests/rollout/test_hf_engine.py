@@ -1,0 +1,75 @@
+"""The transformers engine directly: batching of mixed sampling params, truncated (processed)
+logprobs, stop strings, and that loads happen between batches."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.rollout.engine import FINISH_LENGTH, FINISH_STOP, Sampling
+from services.rollout.hf_engine import HfEngine, HfOptions, _Row
+
+
+@pytest.fixture
+async def engine(tiny_model_dir: Path):
+    eng = HfEngine(HfOptions(model=str(tiny_model_dir), max_model_len=128, max_batch_size=16, num_threads=1))
+    await eng.start()
+    yield eng
+    await eng.stop()
+
+
+async def _collect(eng: HfEngine, prompt: list[int], sampling: Sampling, rid: str):
+    return [c async for c in eng.generate(prompt, sampling, rid)]
+
+
+@torch.inference_mode()
+def _processed_reference(model, prompt: list[int], completion: list[int], temperature: float, top_k: int):
+    """log_softmax over the top-k of logits / T, at each completion position. [C]"""
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature  # [C, V]
+    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [C, 1]
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+async def test_mixed_requests_batch_together_with_their_own_params(engine: HfEngine, reference_model) -> None:
+    requests = [
+        ([5, 6, 7], Sampling(n=2, temperature=0.7, top_k=5, max_tokens=9)),
+        ([8, 9, 10, 11, 12, 13, 14], Sampling(n=3, temperature=1.3, top_k=3, max_tokens=6)),
+        ([20], Sampling(n=1, temperature=1.0, top_k=8, max_tokens=12)),
+    ]
+    results = await asyncio.gather(*(_collect(engine, p, s, f"r{i}") for i, (p, s) in enumerate(requests)))
+    for (prompt, sampling), completions in zip(requests, results, strict=True):
+        assert sorted(c.index for c in completions) == list(range(sampling.n))
+        for c in completions:
+            assert len(c.token_ids) <= sampling.max_tokens
+            assert c.finish_reason == (
+                FINISH_LENGTH if len(c.token_ids) == sampling.max_tokens else FINISH_STOP
+            )
+            ref = _processed_reference(
+                reference_model, prompt, list(c.token_ids), sampling.temperature, sampling.top_k
+            )
+            assert torch.isfinite(ref).all()  # every sampled token is inside the top-k
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
+async def test_stop_strings_end_the_completion_and_trim_the_text(engine: HfEngine) -> None:
+    tokenizer = engine._tokenizer
+    row = _Row([1], Sampling(stop=("+",), max_tokens=50), 0, asyncio.Queue(), None)
+    for token in tokenizer("12+34", add_special_tokens=False)["input_ids"]:
+        row.tokens.append(token)
+        if engine._check_stop(row):
+            break
+    assert row.finish == FINISH_STOP and row.text == "12"
+    assert tokenizer.decode(row.tokens) == "12+"
+
+
+async def test_seeded_samples_differ_by_index_and_repeat_across_calls(engine: HfEngine) -> None:
+    sampling = Sampling(n=3, temperature=1.0, max_tokens=10, seed=42)
+    first = {c.index: c.token_ids for c in await _collect(engine, [3, 4], sampling, "a")}
+    second = {c.index: c.token_ids for c in await _collect(engine, [3, 4], sampling, "b")}
+    assert first == second
+    assert len(set(first.values())) > 1

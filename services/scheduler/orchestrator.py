@@ -305,6 +305,7 @@ class Orchestrator:
             "tokens_per_s": self.tokens.take(),
             "train_ms": train_ms,
             "groups_dropped": self.ledger.counts()["dropped"],
+            "behaviour_versions": sorted({sp.version for g in groups for c in g.completions for sp in c.version_spans}),
             "rollouts_synced": len(sync.synced),
             **{f"learner/{k}": v for k, v in metrics.items()},
         }

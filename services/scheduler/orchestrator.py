@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 
@@ -147,7 +148,8 @@ class Orchestrator:
         handle = self.pool.healthy()[0]
         sampling = types_pb2.SamplingParams(n=1, temperature=self.settings.sampling.temperature, top_p=1.0,
                                             max_tokens=self.settings.sampling.max_tokens, seed=1234)
-        request = rollout_pb2.GenerateRequest(request_id="probe", prompt=response.prompts[0], sampling_params=sampling)
+        request = rollout_pb2.GenerateRequest(request_id=f"probe-{uuid.uuid4().hex[:8]}", prompt=response.prompts[0],
+                                              sampling_params=sampling)
         async for item in handle.stub.Generate(request, timeout=self.settings.timeouts.generate):
             c = item.completion
             return types_pb2.TokenSequence(prompt_token_ids=c.prompt_token_ids, completion_token_ids=c.completion_token_ids,

@@ -94,7 +94,9 @@ def warm_start(
     rng = random.Random(seed + 1)
     options = options or ArithmeticOptions()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps)
+    )
     eos = tokenizer.eos_token_id
     model.train()
     loss_value = float("nan")
@@ -110,7 +112,9 @@ def warm_start(
         ids = torch.tensor([r + [eos] * (width - len(r)) for r in rows])  # [B, T]
         mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)  # [B, T]
         logits = model(input_ids=ids).logits[:, :-1]  # [B, T-1, V]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
+        nll = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), ids[:, 1:], reduction="none"
+        )  # [B, T-1]
         loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -134,9 +138,9 @@ def build_tiny_model(
 
     `task` holds the arithmetic options used for the warm start (default: `DEMO_TASK`).
     """
-    from services.env.builtins.arithmetic import ArithmeticOptions
-
     from transformers import Qwen2ForCausalLM
+
+    from services.env.builtins.arithmetic import ArithmeticOptions
 
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():

@@ -38,17 +38,27 @@ class DemoSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GRPO_DEMO__", cli_kebab_case=True, extra="forbid")
 
     steps: int = Field(default=40, ge=1, description="Optimizer steps to run.")
-    run_dir: Path = Field(default=Path("runs/demo"), description="Output directory (metrics.jsonl, reward.png, logs/).")
+    run_dir: Path = Field(
+        default=Path("runs/demo"), description="Output directory (metrics.jsonl, reward.png, logs/)."
+    )
     model: str = Field(default="", description="HF model id or local path; empty = build the tiny model.")
-    warm_start_steps: int = Field(default=120, ge=0, description="Supervised warm-start steps of the tiny model.")
+    warm_start_steps: int = Field(
+        default=120, ge=0, description="Supervised warm-start steps of the tiny model."
+    )
     engine: Literal["auto", "vllm", "transformers"] = Field(default="auto", description="Rollout engine.")
     rollouts: int = Field(default=1, ge=1, description="Number of rollout processes.")
-    env: str = Field(default="arithmetic", description="Environment spec (built-in name, module:Class, file.py:Class).")
+    env: str = Field(
+        default="arithmetic", description="Environment spec (built-in name, module:Class, file.py:Class)."
+    )
     env_arg: list[str] = Field(default_factory=list, description="Environment option key=value (repeatable).")
-    loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field(default="grpo", description="Objective.")
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field(
+        default="grpo", description="Objective."
+    )
     lr: float = Field(default=2e-4, gt=0, description="Learner learning rate.")
     lora_rank: int = Field(default=0, ge=0, description="LoRA rank; 0 = full fine-tune.")
-    transport: Literal["grpc_stream", "shared_memory"] = Field(default="grpc_stream", description="Weight transport.")
+    transport: Literal["grpc_stream", "shared_memory"] = Field(
+        default="grpc_stream", description="Weight transport."
+    )
     group_size: int = Field(default=8, ge=2, description="Completions per prompt.")
     groups_per_batch: int = Field(default=16, ge=1, description="Prompt groups per step.")
     max_tokens: int = Field(default=6, ge=1, description="Max completion tokens.")
@@ -56,7 +66,9 @@ class DemoSettings(BaseSettings):
     max_staleness: int = Field(default=1, ge=0, description="Max policy lag in versions.")
     eval_every: int = Field(default=10, ge=0, description="Evaluate every N steps (and at step 0); 0 = off.")
     eval_prompts: int = Field(default=100, ge=1, description="Held-out prompts per evaluation.")
-    startup_timeout: float = Field(default=900.0, gt=0, description="Seconds for all services to become ready.")
+    startup_timeout: float = Field(
+        default=900.0, gt=0, description="Seconds for all services to become ready."
+    )
 
 
 def run_config(cfg: DemoSettings, model: str) -> dict:
@@ -65,19 +77,40 @@ def run_config(cfg: DemoSettings, model: str) -> dict:
     run_dir = cfg.run_dir.resolve()
     return {
         "env": {"spec": cfg.env, "env_args": env_args, "env_arg": cfg.env_arg},
-        "learner": {"model": model, "dtype": "float32", "loss": cfg.loss, "lr": cfg.lr, "lora_rank": cfg.lora_rank,
-                    "max_completion_len": cfg.max_tokens, "checkpoint_dir": str(run_dir / "checkpoints")},
-        "rollout": {"model": model, "engine": cfg.engine, "dtype": "float32", "max_model_len": 512, "kv_cache_space_gib": 1,
-                    "max_in_flight": cfg.groups_per_batch * (cfg.max_staleness + 1)},
-        "scheduler": {"group_size": cfg.group_size, "groups_per_batch": cfg.groups_per_batch,
-                      "max_steps": cfg.steps, "max_staleness": cfg.max_staleness,
-                      "weight_transport": cfg.transport, "eval_every": cfg.eval_every,
-                      "eval_prompts": cfg.eval_prompts, "run_dir": str(run_dir),
-                      "sampling": {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens}},
+        "learner": {
+            "model": model,
+            "dtype": "float32",
+            "loss": cfg.loss,
+            "lr": cfg.lr,
+            "lora_rank": cfg.lora_rank,
+            "max_completion_len": cfg.max_tokens,
+            "checkpoint_dir": str(run_dir / "checkpoints"),
+        },
+        "rollout": {
+            "model": model,
+            "engine": cfg.engine,
+            "dtype": "float32",
+            "max_model_len": 512,
+            "kv_cache_space_gib": 1,
+            "max_in_flight": cfg.groups_per_batch * (cfg.max_staleness + 1),
+        },
+        "scheduler": {
+            "group_size": cfg.group_size,
+            "groups_per_batch": cfg.groups_per_batch,
+            "max_steps": cfg.steps,
+            "max_staleness": cfg.max_staleness,
+            "weight_transport": cfg.transport,
+            "eval_every": cfg.eval_every,
+            "eval_prompts": cfg.eval_prompts,
+            "run_dir": str(run_dir),
+            "sampling": {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens},
+        },
     }
 
 
-async def follow(scheduler_address: str, cfg: DemoSettings, processes: list[ServiceProcess]) -> scheduler_pb2.GetStatusResponse:
+async def follow(
+    scheduler_address: str, cfg: DemoSettings, processes: list[ServiceProcess]
+) -> scheduler_pb2.GetStatusResponse:
     """Poll the scheduler until the run finishes or fails, drawing a progress bar."""
     channel = open_channel(scheduler_address)
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
@@ -105,13 +138,21 @@ async def run_demo(cfg: DemoSettings) -> int:
     model = cfg.model
     if not model:
         print(f"building the tiny model in {DEFAULT_MODEL_DIR} (once) ...", flush=True)
-        model = str(await asyncio.to_thread(build_tiny_model, DEFAULT_MODEL_DIR, warm_start_steps=cfg.warm_start_steps))
+        model = str(
+            await asyncio.to_thread(
+                build_tiny_model, DEFAULT_MODEL_DIR, warm_start_steps=cfg.warm_start_steps
+            )
+        )
     config_path = cfg.run_dir / "run.toml"
     config_path.write_text(tomli_w.dumps(run_config(cfg, model)))
     common = ["--config", str(config_path)]
     workers = [ServiceProcess("env", cfg.run_dir, common), ServiceProcess("learner", cfg.run_dir, common)]
-    workers += [ServiceProcess("rollout", cfg.run_dir, [*common, "--rollout-id", f"rollout-{i}"], label=f"rollout-{i}")
-                for i in range(cfg.rollouts)]
+    workers += [
+        ServiceProcess(
+            "rollout", cfg.run_dir, [*common, "--rollout-id", f"rollout-{i}"], label=f"rollout-{i}"
+        )
+        for i in range(cfg.rollouts)
+    ]
     scheduler = None
     try:
         for proc in workers:
@@ -120,11 +161,16 @@ async def run_demo(cfg: DemoSettings) -> int:
         addresses = await asyncio.gather(*(p.wait_ready(cfg.startup_timeout) for p in workers))
         by_name = dict(zip([p.name for p in workers], addresses, strict=False))
         rollout_addresses = [a for p, a in zip(workers, addresses, strict=True) if p.name == "rollout"]
-        scheduler = ServiceProcess("scheduler", cfg.run_dir, common, env={
-            "GRPO_SCHEDULER__ENV_ADDRESS": by_name["env"],
-            "GRPO_SCHEDULER__LEARNER_ADDRESS": by_name["learner"],
-            "GRPO_SCHEDULER__ROLLOUT_ADDRESSES": json.dumps(rollout_addresses),
-        })
+        scheduler = ServiceProcess(
+            "scheduler",
+            cfg.run_dir,
+            common,
+            env={
+                "GRPO_SCHEDULER__ENV_ADDRESS": by_name["env"],
+                "GRPO_SCHEDULER__LEARNER_ADDRESS": by_name["learner"],
+                "GRPO_SCHEDULER__ROLLOUT_ADDRESSES": json.dumps(rollout_addresses),
+            },
+        )
         scheduler.start()
         status = await follow(await scheduler.wait_ready(cfg.startup_timeout), cfg, [*workers, scheduler])
     except ServiceFailed as exc:
@@ -153,7 +199,9 @@ def report(cfg: DemoSettings, status: scheduler_pb2.GetStatusResponse, wall_s: f
 def main(argv: list[str]) -> int:
     from pydantic_settings import CliSettingsSource
 
-    source = CliSettingsSource(DemoSettings, cli_prog_name="python -m services.launch demo", cli_kebab_case=True)
+    source = CliSettingsSource(
+        DemoSettings, cli_prog_name="python -m services.launch demo", cli_kebab_case=True
+    )
     cfg = DemoSettings(_cli_settings_source=source(args=argv))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return asyncio.run(run_demo(cfg))

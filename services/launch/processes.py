@@ -52,11 +52,24 @@ class ServiceProcess:
     def start(self) -> None:
         self.port_file.unlink(missing_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", f"services.{self.name}", "--port", "0",
-                   "--port-file", str(self.port_file), *self.args]
+        command = [
+            sys.executable,
+            "-m",
+            f"services.{self.name}",
+            "--port",
+            "0",
+            "--port-file",
+            str(self.port_file),
+            *self.args,
+        ]
         with self.log_file.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **self.env}, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                stdin=subprocess.DEVNULL,
+            )
 
     def log_tail(self, lines: int = 30) -> str:
         if not self.log_file.exists():
@@ -65,19 +78,23 @@ class ServiceProcess:
 
     def check_alive(self) -> None:
         if self.process is not None and self.process.poll() is not None:
-            raise ServiceFailed(f"{self.tag} exited with code {self.process.returncode}; log tail:\n{self.log_tail()}")
+            raise ServiceFailed(
+                f"{self.tag} exited with code {self.process.returncode}; log tail:\n{self.log_tail()}"
+            )
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{int(self.port_file.read_text())}"
 
-    async def wait_ready(self, timeout: float) -> str:
+    async def wait_ready(self, timeout: float) -> str:  # noqa: ASYNC109 (a polling deadline, not a call's)
         """Wait for the port file, then for readiness SERVING on grpc.health.v1; returns host:port."""
         deadline = time.monotonic() + timeout
         while not (self.port_file.exists() and self.port_file.read_text().strip()):
             self.check_alive()
             if time.monotonic() > deadline:
-                raise ServiceFailed(f"{self.name} did not bind a port within {timeout:.0f}s:\n{self.log_tail()}")
+                raise ServiceFailed(
+                    f"{self.name} did not bind a port within {timeout:.0f}s:\n{self.log_tail()}"
+                )
             await asyncio.sleep(0.2)
         channel = open_channel(self.address)
         stub = health_pb2_grpc.HealthStub(channel)
@@ -88,8 +105,10 @@ class ServiceProcess:
                 if remaining <= 0:
                     raise ServiceFailed(f"{self.name} not ready within {timeout:.0f}s:\n{self.log_tail()}")
                 try:
-                    response = await stub.Check(health_pb2.HealthCheckRequest(service=READINESS[self.name]),
-                                                timeout=min(5.0, remaining))
+                    response = await stub.Check(
+                        health_pb2.HealthCheckRequest(service=READINESS[self.name]),
+                        timeout=min(5.0, remaining),
+                    )
                     if response.status == health_pb2.HealthCheckResponse.SERVING:
                         return self.address
                 except grpc.aio.AioRpcError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -35,7 +36,9 @@ def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
         "weight_transport": steps[-1].get("weight_transport"),
         "logprob_abs_diff_max": max(r["logprob_abs_diff_max"] for r in steps),
         "staleness_mean": statistics.fmean(r["staleness_mean"] for r in steps),
-        "versions_advance_by_one": all(b["weight_version"] - a["weight_version"] == 1 for a, b in zip(steps, steps[1:])),
+        "versions_advance_by_one": all(
+            b["weight_version"] - a["weight_version"] == 1 for a, b in itertools.pairwise(steps)
+        ),
     }
     if evals:
         summary["eval_accuracy_first"] = evals[0]["eval/accuracy"]
@@ -52,7 +55,9 @@ def plot_reward(rows: list[dict[str, Any]], out: Path) -> None:
 
     steps = step_rows(rows)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], label="train reward (mean)", lw=1.2)
+    ax.plot(
+        [r["step"] for r in steps], [r["reward_mean"] for r in steps], label="train reward (mean)", lw=1.2
+    )
     evals = [r for r in rows if "eval/accuracy" in r]
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="eval accuracy")

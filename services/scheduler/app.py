@@ -40,7 +40,10 @@ class SchedulerApp:
         for address in cfg.rollout_addresses:
             self._pool.add(address)
         await asyncio.gather(
-            *(wait_ready(ch, cfg.timeouts.connect) for ch in [*self._channels, *(h.channel for h in self._pool.handles())])
+            *(
+                wait_ready(ch, cfg.timeouts.connect)
+                for ch in [*self._channels, *(h.channel for h in self._pool.handles())]
+            )
         )
         self.orchestrator = Orchestrator(
             cfg,
@@ -61,7 +64,9 @@ class SchedulerApp:
             await self.orchestrator.run()
         except asyncio.CancelledError:
             raise
-        except Exception:  # recorded in orchestrator.error and reported by GetStatus; the server keeps serving
+        except (
+            Exception
+        ):  # recorded in orchestrator.error and reported by GetStatus; the server keeps serving
             log.error("training run stopped", error=self.orchestrator.error)
 
     def add_rollout(self, address: str) -> str:

@@ -1,4 +1,4 @@
-"""Scheduler settings (`[scheduler]` table, `GRPO_SCHEDULER__*` env vars, `python -m services.scheduler --help`)."""
+"""Scheduler settings: the `[scheduler]` table, `GRPO_SCHEDULER__*` env vars, `--help`."""
 
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ class SchedulerSettings(ServiceSettings):
     )
     group_size: int = Field(default=8, ge=2, description="Completions per prompt (G).")
     groups_per_batch: int = Field(default=16, ge=1, description="Prompt groups per optimizer step (B).")
-    max_steps: int = Field(default=0, ge=0, description="Stop after this many optimizer steps; 0 = run until stopped.")
+    max_steps: int = Field(
+        default=0, ge=0, description="Stop after this many optimizer steps; 0 = run until stopped."
+    )
     max_staleness: int = Field(
         default=1,
         ge=0,
@@ -53,22 +55,31 @@ class SchedulerSettings(ServiceSettings):
         "(0 = on-policy). Enforced by admission control; late groups are dropped and re-issued.",
     )
     advantage_mode: Literal["auto", "group_std", "group_mean", "batch_std"] = Field(
-        default="auto", description="How rewards become advantages; auto = the usual mode for the learner's loss."
+        default="auto",
+        description="How rewards become advantages; auto = the usual mode for the learner's loss.",
     )
     weight_transport: Literal["grpc_stream", "shared_memory"] = Field(
         default="grpc_stream", description="How rollouts receive new weights (cuda_ipc/nccl: not yet)."
     )
     alignment_threshold: float = Field(
-        default=1e-3, gt=0, description="Max |learner - rollout| logprob on the probe after a sync before failing."
+        default=1e-3,
+        gt=0,
+        description="Max |learner - rollout| logprob on the probe after a sync before failing.",
     )
     alignment_action: Literal["fail", "warn"] = Field(
         default="fail", description="What to do when the alignment probe exceeds the threshold."
     )
-    eval_every: int = Field(default=0, ge=0, description="Evaluate on the env's eval split every N steps; 0 = off.")
+    eval_every: int = Field(
+        default=0, ge=0, description="Evaluate on the env's eval split every N steps; 0 = off."
+    )
     eval_prompts: int = Field(default=64, ge=1, description="Eval prompts per evaluation.")
-    eval_samples: int = Field(default=1, ge=1, description="Completions per eval prompt (pass@k for k ≤ this).")
+    eval_samples: int = Field(
+        default=1, ge=1, description="Completions per eval prompt (pass@k for k ≤ this)."
+    )
     eval_temperature: float = Field(default=1.0, gt=0, description="Sampling temperature for evaluation.")
-    prompt_buffer: int = Field(default=64, ge=1, description="Prompts fetched ahead from the env (bounded queue).")
+    prompt_buffer: int = Field(
+        default=64, ge=1, description="Prompts fetched ahead from the env (bounded queue)."
+    )
     health_interval_seconds: float = Field(default=2.0, gt=0, description="How often rollouts are polled.")
     autostart: bool = Field(default=True, description="Start training as soon as the peers are ready.")
     run_dir: Path = Field(default=Path("runs/latest"), description="Where metrics.jsonl is written.")

@@ -17,7 +17,9 @@ from services.scheduler.rollouts import RolloutPool
 
 
 class Evaluator:
-    def __init__(self, settings: SchedulerSettings, env: env_pb2_grpc.EnvironmentServiceStub, pool: RolloutPool) -> None:
+    def __init__(
+        self, settings: SchedulerSettings, env: env_pb2_grpc.EnvironmentServiceStub, pool: RolloutPool
+    ) -> None:
         self._settings = settings
         self._env = env
         self._pool = pool
@@ -31,10 +33,17 @@ class Evaluator:
             )
         ).prompts
         sampling = types_pb2.SamplingParams(
-            n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=1.0, max_tokens=cfg.sampling.max_tokens
+            n=cfg.eval_samples,
+            temperature=cfg.eval_temperature,
+            top_p=1.0,
+            max_tokens=cfg.sampling.max_tokens,
         )
-        groups = await asyncio.gather(*(self._generate(i, p, sampling, version) for i, p in enumerate(prompts)))
-        response = await self._env.Evaluate(env_pb2.EvaluateRequest(groups=groups), timeout=cfg.timeouts.score)
+        groups = await asyncio.gather(
+            *(self._generate(i, p, sampling, version) for i, p in enumerate(prompts))
+        )
+        response = await self._env.Evaluate(
+            env_pb2.EvaluateRequest(groups=groups), timeout=cfg.timeouts.score
+        )
         return dict(response.metrics)
 
     async def _generate(
@@ -42,10 +51,13 @@ class Evaluator:
     ) -> env_pb2.ScoreCompletionsRequest:
         handle = await self._pool.acquire(lambda: version, 0)
         try:
-            request = rollout_pb2.GenerateRequest(request_id=f"eval-v{version}-{index}", prompt=prompt,
-                                                  sampling_params=sampling)
-            completions = [r.completion async for r in
-                           handle.stub.Generate(request, timeout=self._settings.timeouts.generate)]
+            request = rollout_pb2.GenerateRequest(
+                request_id=f"eval-v{version}-{index}", prompt=prompt, sampling_params=sampling
+            )
+            completions = [
+                r.completion
+                async for r in handle.stub.Generate(request, timeout=self._settings.timeouts.generate)
+            ]
         finally:
             await self._pool.release(handle)
         return env_pb2.ScoreCompletionsRequest(prompt=prompt, completions=completions)

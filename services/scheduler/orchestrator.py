@@ -2,9 +2,8 @@
 
 Four cooperating tasks, joined by bounded queues:
 
-    prompt feeder ──prompts──▶ dispatcher ──(one task per group)──▶ generate ▶ score ──scored──▶ trainer
-    (env.SamplePrompts)        (admission + least-loaded rollout)   (rollout)  (env)             (learner step
-                                                                                                   + weight sync)
+    prompt feeder ──prompts──▶ dispatcher ──(a task per group)──▶ generate ▶ score ──scored──▶ trainer
+    (env.SamplePrompts)        (admission, least-loaded rollout)    (rollout)  (env)     (learner step, sync)
     health monitor: polls rollouts, brings lagging or re-joined ones up to the current version.
 
 Every group is tracked in the ledger; a group whose rollout dies is dropped and its prompt re-issued,
@@ -135,32 +134,48 @@ class Orchestrator:
                 await self.syncer.sync(lagging)
         self.probe = await self._make_probe()
         self.last_alignment = await self._check_alignment(self.pool.healthy())
-        log.info("ready to train", version=self.version, advantage_mode=self.advantage_mode,
-                 logprob_abs_diff_max=self.last_alignment)
+        log.info(
+            "ready to train",
+            version=self.version,
+            advantage_mode=self.advantage_mode,
+            logprob_abs_diff_max=self.last_alignment,
+        )
         if self.settings.eval_every:
             await self._log_eval_only()
 
     async def _make_probe(self) -> types_pb2.TokenSequence:
         """A fixed probe: one sampled completion of the env's first eval prompt."""
         response = await self.env.SamplePrompts(
-            env_pb2.SamplePromptsRequest(n=1, split=env_pb2.SPLIT_EVAL, start=0), timeout=self.settings.timeouts.control
+            env_pb2.SamplePromptsRequest(n=1, split=env_pb2.SPLIT_EVAL, start=0),
+            timeout=self.settings.timeouts.control,
         )
         handle = self.pool.healthy()[0]
-        sampling = types_pb2.SamplingParams(n=1, temperature=self.settings.sampling.temperature, top_p=1.0,
-                                            max_tokens=self.settings.sampling.max_tokens, seed=1234)
-        request = rollout_pb2.GenerateRequest(request_id=f"probe-{uuid.uuid4().hex[:8]}", prompt=response.prompts[0],
-                                              sampling_params=sampling)
+        sampling = types_pb2.SamplingParams(
+            n=1,
+            temperature=self.settings.sampling.temperature,
+            top_p=1.0,
+            max_tokens=self.settings.sampling.max_tokens,
+            seed=1234,
+        )
+        request = rollout_pb2.GenerateRequest(
+            request_id=f"probe-{uuid.uuid4().hex[:8]}", prompt=response.prompts[0], sampling_params=sampling
+        )
         async for item in handle.stub.Generate(request, timeout=self.settings.timeouts.generate):
             c = item.completion
-            return types_pb2.TokenSequence(prompt_token_ids=c.prompt_token_ids, completion_token_ids=c.completion_token_ids,
-                                           temperature=self.settings.sampling.temperature)
+            return types_pb2.TokenSequence(
+                prompt_token_ids=c.prompt_token_ids,
+                completion_token_ids=c.completion_token_ids,
+                temperature=self.settings.sampling.temperature,
+            )
         raise RuntimeError("probe generation returned nothing")
 
     async def _check_alignment(self, rollouts: list[RolloutHandle]) -> float:
         diff = await self.syncer.probe(self.probe, rollouts)
         if diff > self.settings.alignment_threshold:
-            message = (f"logprob misalignment after sync to v{self.version}: max |Δ| = {diff:.3g} "
-                       f"> threshold {self.settings.alignment_threshold:g}")
+            message = (
+                f"logprob misalignment after sync to v{self.version}: max |Δ| = {diff:.3g} "
+                f"> threshold {self.settings.alignment_threshold:g}"
+            )
             if self.settings.alignment_action == "fail":
                 raise AlignmentError(message)
             log.warning(message)
@@ -172,7 +187,8 @@ class Orchestrator:
         chunk = min(self.settings.prompt_buffer, max(1, self.settings.groups_per_batch))
         while True:
             response = await self.env.SamplePrompts(
-                env_pb2.SamplePromptsRequest(n=chunk, split=env_pb2.SPLIT_TRAIN), timeout=self.settings.timeouts.control
+                env_pb2.SamplePromptsRequest(n=chunk, split=env_pb2.SPLIT_TRAIN),
+                timeout=self.settings.timeouts.control,
             )
             for prompt in response.prompts:
                 await self.prompts.put(prompt)
@@ -188,7 +204,10 @@ class Orchestrator:
             await self.resumed.wait()
             async with self.pool.changed:
                 await self.pool.changed.wait_for(
-                    lambda: admission_capacity(self.ledger.in_pipeline(), cfg.groups_per_batch, cfg.max_staleness) > 0
+                    lambda: (
+                        admission_capacity(self.ledger.in_pipeline(), cfg.groups_per_batch, cfg.max_staleness)
+                        > 0
+                    )
                 )
             handle = await self.pool.acquire(lambda: self.version, cfg.max_staleness)
             prompt = await self._next_prompt()
@@ -206,20 +225,32 @@ class Orchestrator:
             tokens = sum(len(c.completion_token_ids) for c in completions)
             self.tokens.add(tokens)
             scores = await self.env.ScoreCompletions(
-                env_pb2.ScoreCompletionsRequest(prompt=prompt, completions=completions), timeout=cfg.timeouts.score
+                env_pb2.ScoreCompletionsRequest(prompt=prompt, completions=completions),
+                timeout=cfg.timeouts.score,
             )
             if scores.skip_group:
                 reasons = "; ".join(i.failure for i in scores.reward_infos if not i.ok)
                 self._drop(group_id, f"scoring failed: {reasons}")
                 return
             self.ledger.advance(group_id, GroupState.SCORED)
-            group = types_pb2.ScoredGroup(group_id=group_id, prompt=prompt, completions=completions,
-                                          rewards=scores.rewards, reward_infos=scores.reward_infos)
+            group = types_pb2.ScoredGroup(
+                group_id=group_id,
+                prompt=prompt,
+                completions=completions,
+                rewards=scores.rewards,
+                reward_infos=scores.reward_infos,
+            )
             await self.scored.put(_Scored(group, tokens))
         except grpc.aio.AioRpcError as exc:
             retry = exc.code() in _RETRYABLE
-            log.warning("group failed", group=group_id, rollout=handle.rollout_id, code=exc.code().name,
-                        detail=exc.details(), reissue=retry)
+            log.warning(
+                "group failed",
+                group=group_id,
+                rollout=handle.rollout_id,
+                code=exc.code().name,
+                detail=exc.details(),
+                reissue=retry,
+            )
             self._drop(group_id, f"{exc.code().name}: {exc.details()}")
             if retry:
                 self.reissue.append(prompt)
@@ -228,13 +259,22 @@ class Orchestrator:
         finally:
             await self.pool.release(handle)
 
-    async def _generate(self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle) -> list[types_pb2.Completion]:
+    async def _generate(
+        self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle
+    ) -> list[types_pb2.Completion]:
         s = self.settings.sampling
-        sampling = types_pb2.SamplingParams(n=self.settings.group_size, temperature=s.temperature, top_p=s.top_p,
-                                            top_k=s.top_k, max_tokens=s.max_tokens)
+        sampling = types_pb2.SamplingParams(
+            n=self.settings.group_size,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_tokens,
+        )
         request = rollout_pb2.GenerateRequest(request_id=group_id, prompt=prompt, sampling_params=sampling)
-        completions = [item.completion async for item in
-                       handle.stub.Generate(request, timeout=self.settings.timeouts.generate)]
+        completions = [
+            item.completion
+            async for item in handle.stub.Generate(request, timeout=self.settings.timeouts.generate)
+        ]
         indices = sorted(c.index for c in completions)
         if indices != list(range(self.settings.group_size)):
             raise RuntimeError(f"group {group_id}: rollout returned completion indices {indices}")
@@ -268,8 +308,11 @@ class Orchestrator:
             groups, staleness = await self._collect_batch()
             batch = build_train_batch(groups, self.step, f"step-{self.step}", self.advantage_mode)
             step_started = time.perf_counter()
-            result = (await self.learner.TrainStep(learner_pb2.TrainStepRequest(batch=batch),
-                                                   timeout=cfg.timeouts.train_step)).result
+            result = (
+                await self.learner.TrainStep(
+                    learner_pb2.TrainStepRequest(batch=batch), timeout=cfg.timeouts.train_step
+                )
+            ).result
             train_ms = (time.perf_counter() - step_started) * 1e3
             for group in groups:
                 self.ledger.advance(group.group_id, GroupState.TRAINED)
@@ -278,14 +321,21 @@ class Orchestrator:
                 self.version, self.step = result.weight_version, result.step
                 sync = await self.syncer.sync([h for h in self.pool.healthy()])
                 self.last_alignment = await self._check_alignment(
-                    [h for h in self.pool.healthy() if h.version == self.version])
+                    [h for h in self.pool.healthy() if h.version == self.version]
+                )
             await self.pool.notify()
             record = self._step_record(groups, staleness, result, sync, train_ms)
             if cfg.eval_every and self.step % cfg.eval_every == 0:
                 record.update(await self.evaluator.run(self.version))
             self._metrics.write(record)
-            log.info("step", step=self.step, reward=round(record["reward_mean"], 4), loss=round(record["loss"], 5),
-                     sync_ms=round(sync.total_ms, 1), diff=record["logprob_abs_diff_max"])
+            log.info(
+                "step",
+                step=self.step,
+                reward=round(record["reward_mean"], 4),
+                loss=round(record["loss"], 5),
+                sync_ms=round(sync.total_ms, 1),
+                diff=record["logprob_abs_diff_max"],
+            )
 
     def _step_record(self, groups, staleness, result, sync, train_ms) -> dict:
         rewards = [r for g in groups for r in g.rewards]
@@ -307,7 +357,9 @@ class Orchestrator:
             "tokens_per_s": self.tokens.take(),
             "train_ms": train_ms,
             "groups_dropped": self.ledger.counts()["dropped"],
-            "behaviour_versions": sorted({sp.version for g in groups for c in g.completions for sp in c.version_spans}),
+            "behaviour_versions": sorted(
+                {sp.version for g in groups for c in g.completions for sp in c.version_spans}
+            ),
             "rollouts_synced": len(sync.synced),
             **{f"learner/{k}": v for k, v in metrics.items()},
         }
@@ -325,7 +377,9 @@ class Orchestrator:
             lagging = [h for h in self.pool.healthy() if h.version < self.version and not h.syncing]
             if lagging and not self.syncer.lock.locked():
                 async with self.syncer.lock:
-                    log.info("catching up rollouts", rollouts=[h.rollout_id for h in lagging], version=self.version)
+                    log.info(
+                        "catching up rollouts", rollouts=[h.rollout_id for h in lagging], version=self.version
+                    )
                     try:
                         await self.syncer.sync(lagging)
                     except grpc.aio.AioRpcError as exc:

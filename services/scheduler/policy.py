@@ -53,7 +53,9 @@ def pick_rollout(slots: Sequence[RolloutSlot], learner_version: int, max_stalene
     ]
     if not eligible:
         return None
-    return min(eligible, key=lambda s: (s.in_flight / max(1, s.max_in_flight), s.in_flight, s.rollout_id)).rollout_id
+    return min(
+        eligible, key=lambda s: (s.in_flight / max(1, s.max_in_flight), s.in_flight, s.rollout_id)
+    ).rollout_id
 
 
 def build_train_batch(

@@ -32,7 +32,9 @@ class RolloutHandle:
 
     def slot(self) -> RolloutSlot:
         usable = self.healthy and not self.syncing
-        return RolloutSlot(self.rollout_id or self.address, self.in_flight, self.max_in_flight, self.version, usable)
+        return RolloutSlot(
+            self.rollout_id or self.address, self.in_flight, self.max_in_flight, self.version, usable
+        )
 
 
 class RolloutPool:
@@ -46,7 +48,9 @@ class RolloutPool:
     def add(self, address: str) -> RolloutHandle:
         if address not in self._by_address:
             channel = open_channel(address)
-            self._by_address[address] = RolloutHandle(address, channel, rollout_pb2_grpc.RolloutServiceStub(channel))
+            self._by_address[address] = RolloutHandle(
+                address, channel, rollout_pb2_grpc.RolloutServiceStub(channel)
+            )
         return self._by_address[address]
 
     def handles(self) -> list[RolloutHandle]:
@@ -58,7 +62,9 @@ class RolloutPool:
     async def refresh(self, handle: RolloutHandle) -> None:
         """Poll one rollout's state; mark it unhealthy if it does not answer in time."""
         try:
-            state = await handle.stub.GetRolloutState(rollout_pb2.GetRolloutStateRequest(), timeout=self._timeout)
+            state = await handle.stub.GetRolloutState(
+                rollout_pb2.GetRolloutStateRequest(), timeout=self._timeout
+            )
         except grpc.aio.AioRpcError as exc:
             if handle.healthy:
                 log.warning("rollout unreachable", address=handle.address, code=exc.code().name)

@@ -25,7 +25,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def RegisterWorker(self, request, context: grpc.aio.ServicerContext):
         if request.kind != scheduler_pb2.WORKER_KIND_ROLLOUT:
-            raise InvalidArgument("only rollout workers can join a running scheduler (kind=WORKER_KIND_ROLLOUT)")
+            raise InvalidArgument(
+                "only rollout workers can join a running scheduler (kind=WORKER_KIND_ROLLOUT)"
+            )
         host, _, port = request.address.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidArgument(f"address must be host:port, got {request.address!r}")
@@ -40,7 +42,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             step=orch.step,
             paused=orch.paused,
             groups_by_state=orch.ledger.counts(),
-            queue_depths={"prompts": orch.prompts.qsize(), "reissue": len(orch.reissue), "scored": orch.scored.qsize()},
+            queue_depths={
+                "prompts": orch.prompts.qsize(),
+                "reissue": len(orch.reissue),
+                "scored": orch.scored.qsize(),
+            },
             staleness_mean=statistics.fmean(orch.staleness_seen) if orch.staleness_seen else 0.0,
             finished=orch.finished,
             max_steps=orch.settings.max_steps,
@@ -48,8 +54,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             error=orch.error,
         )
         for h in orch.pool.handles():
-            response.rollouts.add(rollout_id=h.rollout_id, address=h.address, weight_version=h.version,
-                                  in_flight=h.in_flight, max_in_flight=h.max_in_flight, healthy=h.healthy)
+            response.rollouts.add(
+                rollout_id=h.rollout_id,
+                address=h.address,
+                weight_version=h.version,
+                in_flight=h.in_flight,
+                max_in_flight=h.max_in_flight,
+                healthy=h.healthy,
+            )
         return response
 
     async def Pause(self, request, context: grpc.aio.ServicerContext):

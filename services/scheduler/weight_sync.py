@@ -93,7 +93,9 @@ class WeightSyncer:
             total_ms=(done - started) * 1e3,
         )
 
-    async def _stage_all(self, targets: list[RolloutHandle], wv: types_pb2.WeightVersion) -> list[RolloutHandle]:
+    async def _stage_all(
+        self, targets: list[RolloutHandle], wv: types_pb2.WeightVersion
+    ) -> list[RolloutHandle]:
         request = rollout_pb2.StageWeightsRequest(weight_version=wv)
         results = await asyncio.gather(
             *(h.stub.StageWeights(request, timeout=self._timeouts.weight_sync) for h in targets),
@@ -125,8 +127,13 @@ class WeightSyncer:
     async def _drop(self, handle: RolloutHandle, version: int, phase: str, exc: BaseException) -> None:
         if not isinstance(exc, grpc.aio.AioRpcError):
             raise exc
-        log.warning("weight sync failed on rollout", rollout=handle.rollout_id, phase=phase, code=exc.code().name,
-                    detail=exc.details())
+        log.warning(
+            "weight sync failed on rollout",
+            rollout=handle.rollout_id,
+            phase=phase,
+            code=exc.code().name,
+            detail=exc.details(),
+        )
         if exc.code() != grpc.StatusCode.UNAVAILABLE:
             try:
                 await handle.stub.AbortWeights(
@@ -152,7 +159,9 @@ class WeightSyncer:
                     f"{handle.rollout_id} v{got.weight_version}"
                 )
             if len(got.logprobs) != len(learner.logprobs):
-                raise AlignmentError(f"{handle.rollout_id} scored {len(got.logprobs)} tokens, learner {len(learner.logprobs)}")
+                raise AlignmentError(
+                    f"{handle.rollout_id} scored {len(got.logprobs)} tokens, learner {len(learner.logprobs)}"
+                )
             diff = max((abs(a - b) for a, b in zip(got.logprobs, learner.logprobs, strict=True)), default=0.0)
             worst = max(worst, diff)
         return worst

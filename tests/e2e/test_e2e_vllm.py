@@ -30,11 +30,20 @@ STEPS, GROUPS, G = 3, 4, 4
 
 @pytest.fixture
 def services(tmp_path: Path, warm_model_dir: Path):
-    cfg = DemoSettings(steps=STEPS, run_dir=tmp_path, engine="vllm", group_size=G, groups_per_batch=GROUPS,
-                       eval_every=0, transport="shared_memory")
+    cfg = DemoSettings(
+        steps=STEPS,
+        run_dir=tmp_path,
+        engine="vllm",
+        group_size=G,
+        groups_per_batch=GROUPS,
+        eval_every=0,
+        transport="shared_memory",
+    )
     config = tmp_path / "run.toml"
     config.write_text(tomli_w.dumps(run_config(cfg, str(warm_model_dir))))
-    procs = [ServiceProcess(name, tmp_path, ["--config", str(config)]) for name in ("env", "learner", "rollout")]
+    procs = [
+        ServiceProcess(name, tmp_path, ["--config", str(config)]) for name in ("env", "learner", "rollout")
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -47,8 +56,9 @@ def services(tmp_path: Path, warm_model_dir: Path):
 async def test_training_run_end_to_end(services, tmp_path: Path) -> None:
     config, procs = services
     env_addr, learner_addr, rollout_addr = await asyncio.gather(*(p.wait_ready(600) for p in procs))
-    settings = SchedulerSettings.load(config, env_address=env_addr, learner_address=learner_addr,
-                                      rollout_addresses=[rollout_addr], port=0)
+    settings = SchedulerSettings.load(
+        config, env_address=env_addr, learner_address=learner_addr, rollout_addresses=[rollout_addr], port=0
+    )
     app = SchedulerApp(settings)
     running = await start_server(app, settings)
     try:
@@ -64,7 +74,9 @@ async def test_training_run_end_to_end(services, tmp_path: Path) -> None:
             assert row["rollouts_synced"] == 1
             trained_at = row["weight_version"] - 1
             assert row["behaviour_versions"], "trained completions must carry version spans"
-            assert all(trained_at - settings.max_staleness <= v <= trained_at for v in row["behaviour_versions"])
+            assert all(
+                trained_at - settings.max_staleness <= v <= trained_at for v in row["behaviour_versions"]
+            )
 
         records = orch.ledger.records()
         trained = [r for r in records if r.state == "trained"]
@@ -86,7 +98,9 @@ async def test_training_run_end_to_end(services, tmp_path: Path) -> None:
         await channel.close()
         assert len(completions) == 2
         for c in completions:
-            assert [(s.version, s.start, s.end) for s in c.version_spans] == [(STEPS, 0, len(c.completion_token_ids))]
+            assert [(s.version, s.start, s.end) for s in c.version_spans] == [
+                (STEPS, 0, len(c.completion_token_ids))
+            ]
             assert len(c.logprobs) == len(c.completion_token_ids)
     finally:
         await running.close()

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from services.common.tiny_model import build_tiny_model
+from services.launch.demo import DemoSettings, default_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache"
+DEMO_WARM_START = DemoSettings.model_fields["warm_start_steps"].default
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -24,5 +26,5 @@ def tiny_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def warm_model_dir() -> Path:
-    """The tiny model after a short supervised warm start on the demo arithmetic task."""
-    return build_tiny_model(CACHE / "tiny-model-warm", warm_start_steps=120)
+    """The demo's tiny model: a short supervised warm start on the demo arithmetic task (shared cache)."""
+    return build_tiny_model(default_model_dir(DEMO_WARM_START), warm_start_steps=DEMO_WARM_START)

@@ -29,7 +29,11 @@ from services.launch.processes import ServiceFailed, ServiceProcess
 from services.launch.report import plot_reward, read_metrics, summarize
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL_DIR = REPO / ".cache" / "tiny-model-warm"
+
+
+def default_model_dir(warm_start_steps: int) -> Path:
+    """Where the demo keeps the tiny model built with this many warm-start steps (built once)."""
+    return REPO / ".cache" / f"tiny-model-warm{warm_start_steps}"
 
 
 class DemoSettings(BaseSettings):
@@ -37,7 +41,7 @@ class DemoSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="GRPO_DEMO__", cli_kebab_case=True, extra="forbid")
 
-    steps: int = Field(default=40, ge=1, description="Optimizer steps to run.")
+    steps: int = Field(default=400, ge=1, description="Optimizer steps to run.")
     run_dir: Path = Field(
         default=Path("runs/demo"), description="Output directory (metrics.jsonl, reward.png, logs/)."
     )
@@ -54,7 +58,8 @@ class DemoSettings(BaseSettings):
     loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field(
         default="grpo", description="Objective."
     )
-    lr: float = Field(default=2e-4, gt=0, description="Learner learning rate.")
+    lr: float = Field(default=4e-4, gt=0, description="Learner learning rate.")
+    warmup_steps: int = Field(default=30, ge=0, description="Learner linear LR warmup steps.")
     lora_rank: int = Field(default=0, ge=0, description="LoRA rank; 0 = full fine-tune.")
     transport: Literal["grpc_stream", "shared_memory"] = Field(
         default="grpc_stream", description="Weight transport."
@@ -64,8 +69,11 @@ class DemoSettings(BaseSettings):
     max_tokens: int = Field(default=6, ge=1, description="Max completion tokens.")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
     max_staleness: int = Field(default=1, ge=0, description="Max policy lag in versions.")
-    eval_every: int = Field(default=10, ge=0, description="Evaluate every N steps (and at step 0); 0 = off.")
-    eval_prompts: int = Field(default=100, ge=1, description="Held-out prompts per evaluation.")
+    eval_every: int = Field(default=50, ge=0, description="Evaluate every N steps (and at step 0); 0 = off.")
+    eval_prompts: int = Field(default=200, ge=1, description="Held-out prompts per evaluation.")
+    eval_samples: int = Field(
+        default=4, ge=1, description="Completions per held-out prompt (accuracy over all)."
+    )
     startup_timeout: float = Field(
         default=900.0, gt=0, description="Seconds for all services to become ready."
     )
@@ -82,6 +90,7 @@ def run_config(cfg: DemoSettings, model: str) -> dict:
             "dtype": "float32",
             "loss": cfg.loss,
             "lr": cfg.lr,
+            "warmup_steps": cfg.warmup_steps,
             "lora_rank": cfg.lora_rank,
             "max_completion_len": cfg.max_tokens,
             "checkpoint_dir": str(run_dir / "checkpoints"),
@@ -102,6 +111,7 @@ def run_config(cfg: DemoSettings, model: str) -> dict:
             "weight_transport": cfg.transport,
             "eval_every": cfg.eval_every,
             "eval_prompts": cfg.eval_prompts,
+            "eval_samples": cfg.eval_samples,
             "run_dir": str(run_dir),
             "sampling": {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens},
         },
@@ -137,11 +147,10 @@ async def run_demo(cfg: DemoSettings) -> int:
     (cfg.run_dir / "metrics.jsonl").unlink(missing_ok=True)
     model = cfg.model
     if not model:
-        print(f"building the tiny model in {DEFAULT_MODEL_DIR} (once) ...", flush=True)
+        model_dir = default_model_dir(cfg.warm_start_steps)
+        print(f"tiny model: {model_dir} (built once)", flush=True)
         model = str(
-            await asyncio.to_thread(
-                build_tiny_model, DEFAULT_MODEL_DIR, warm_start_steps=cfg.warm_start_steps
-            )
+            await asyncio.to_thread(build_tiny_model, model_dir, warm_start_steps=cfg.warm_start_steps)
         )
     config_path = cfg.run_dir / "run.toml"
     config_path.write_text(tomli_w.dumps(run_config(cfg, model)))

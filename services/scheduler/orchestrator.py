@@ -31,7 +31,7 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.evaluation import Evaluator
 from services.scheduler.ledger import GroupLedger, GroupState
 from services.scheduler.metrics import MetricsLog, TokenRate
-from services.scheduler.policy import admission_capacity, build_train_batch, group_staleness
+from services.scheduler.policy import build_train_batch, expected_train_version, group_staleness
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
 from services.scheduler.weight_sync import AlignmentError, WeightSyncer
 
@@ -202,14 +202,10 @@ class Orchestrator:
         cfg = self.settings
         while True:
             await self.resumed.wait()
-            async with self.pool.changed:
-                await self.pool.changed.wait_for(
-                    lambda: (
-                        admission_capacity(self.ledger.in_pipeline(), cfg.groups_per_batch, cfg.max_staleness)
-                        > 0
-                    )
-                )
-            handle = await self.pool.acquire(lambda: self.version, cfg.max_staleness)
+            handle = await self.pool.acquire(
+                lambda: expected_train_version(self.version, self.ledger.in_pipeline(), cfg.groups_per_batch),
+                cfg.max_staleness,
+            )
             prompt = await self._next_prompt()
             record = self.ledger.issue(prompt.id, self.version)
             record.rollout_id = handle.rollout_id
@@ -316,6 +312,7 @@ class Orchestrator:
             train_ms = (time.perf_counter() - step_started) * 1e3
             for group in groups:
                 self.ledger.advance(group.group_id, GroupState.TRAINED)
+            await self.pool.notify()
             self.staleness_seen.extend(staleness)
             async with self.syncer.lock:
                 self.version, self.step = result.weight_version, result.step

@@ -2,9 +2,11 @@
 
 Staleness of a group = the learner version it is trained at minus the oldest weight version that
 produced any of its tokens. Admission control keeps it bounded *before* generation (AReaL-style):
-with B groups per step, at most (max_staleness + 1)·B groups may be in the pipeline, so no group can
-wait more than `max_staleness` steps; groups that still exceed the bound at batch time (e.g. after a
-slow rollout) are dropped and their prompt re-issued, never silently trained.
+with B groups per step and `in_pipeline` groups already issued but not trained, a new group will be
+trained at learner version `learner_version + in_pipeline // B`; it may only be issued to a rollout
+whose weights are at most `max_staleness` versions older than that. Groups that still exceed the
+bound at batch time (e.g. a slow rollout finished out of order) are dropped and their prompt
+re-issued, never silently trained.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ def group_staleness(completions: Sequence[types_pb2.Completion], train_version: 
     return train_version - oldest_version(completions)
 
 
-def admission_capacity(in_pipeline: int, groups_per_batch: int, max_staleness: int) -> int:
-    """How many more groups may be issued now."""
-    return max(0, (max_staleness + 1) * groups_per_batch - in_pipeline)
+def expected_train_version(learner_version: int, in_pipeline: int, groups_per_batch: int) -> int:
+    """The learner version at which a group issued now will be trained (groups train in issue order)."""
+    return learner_version + in_pipeline // groups_per_batch
 
 
 @dataclass
@@ -44,12 +46,13 @@ class RolloutSlot:
     healthy: bool
 
 
-def pick_rollout(slots: Sequence[RolloutSlot], learner_version: int, max_staleness: int) -> str | None:
-    """The least-loaded healthy rollout with a free credit and fresh-enough weights (ties: by id)."""
+def pick_rollout(slots: Sequence[RolloutSlot], train_version: int, max_staleness: int) -> str | None:
+    """The least-loaded healthy rollout with a free credit whose weights are fresh enough for a group
+    that will be trained at `train_version` (ties: by id); None if no rollout qualifies now."""
     eligible = [
         s
         for s in slots
-        if s.healthy and s.in_flight < s.max_in_flight and learner_version - s.version <= max_staleness
+        if s.healthy and s.in_flight < s.max_in_flight and train_version - s.version <= max_staleness
     ]
     if not eligible:
         return None

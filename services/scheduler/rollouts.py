@@ -87,12 +87,13 @@ class RolloutPool:
             handle.healthy = healthy
             self.changed.notify_all()
 
-    async def acquire(self, learner_version: Callable[[], int], max_staleness: int) -> RolloutHandle:
-        """Wait for a rollout with a free credit and fresh-enough weights, and take one credit on it."""
+    async def acquire(self, train_version: Callable[[], int], max_staleness: int) -> RolloutHandle:
+        """Wait for a rollout with a free credit whose weights are at most `max_staleness` versions
+        older than `train_version()` (re-evaluated on every change), and take one credit on it."""
         async with self.changed:
             while True:
                 slots = [h.slot() for h in self.handles()]
-                chosen = pick_rollout(slots, learner_version(), max_staleness)
+                chosen = pick_rollout(slots, train_version(), max_staleness)
                 if chosen is not None:
                     handle = next(h for h in self.handles() if (h.rollout_id or h.address) == chosen)
                     handle.in_flight += 1

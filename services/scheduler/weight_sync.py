@@ -34,6 +34,9 @@ TRANSPORTS = {
 }
 
 
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+
 class AlignmentError(RuntimeError):
     """Learner and rollout disagree on logprobs after a sync: the run must not continue silently."""
 
@@ -144,15 +147,28 @@ class WeightSyncer:
         await self._pool.mark(handle, healthy=False)
 
     async def probe(self, sequence: types_pb2.TokenSequence, rollouts: list[RolloutHandle]) -> float:
-        """Max |learner − rollout| logprob over the probe tokens, across `rollouts`."""
+        """Max |learner − rollout| logprob over the probe tokens, across `rollouts`.
+
+        A rollout that cannot be reached is marked unhealthy and skipped (it is re-synced and probed
+        when it comes back); a reachable one that disagrees raises AlignmentError.
+        """
         learner = await self._learner.ScoreTokens(
             learner_pb2.ScoreTokensRequest(sequence=sequence), timeout=self._timeouts.control
         )
         worst = 0.0
         for handle in rollouts:
-            got = await handle.stub.ScoreTokens(
-                rollout_pb2.ScoreTokensRequest(sequence=sequence), timeout=self._timeouts.control
-            )
+            try:
+                got = await handle.stub.ScoreTokens(
+                    rollout_pb2.ScoreTokensRequest(sequence=sequence), timeout=self._timeouts.control
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _UNREACHABLE:
+                    raise
+                log.warning(
+                    "probe skipped: rollout unreachable", rollout=handle.rollout_id, code=exc.code().name
+                )
+                await self._pool.mark(handle, healthy=False)
+                continue
             if got.weight_version != learner.weight_version:
                 raise FailedPrecondition(
                     f"probe version mismatch: learner v{learner.weight_version}, "

@@ -1,0 +1,145 @@
+"""The scheduler driving real services in-process: env, learner and two transformers-engine rollouts.
+
+Checks the orchestration contract end to end over real gRPC (vLLM is covered in tests/e2e):
+versions advance by one per step, alignment is measured after every sync, the status RPC tells the
+truth, bad requests get INVALID_ARGUMENT, and a rollout that dies mid-run costs no group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+
+from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.clients import open_channel
+from services.common.serve import RunningServer, start_server
+from services.common.tiny_model import DEMO_TASK
+from services.env.config import EnvSettings
+from services.env.server import EnvApp
+from services.learner.app import LearnerApp
+from services.learner.config import LearnerSettings
+from services.rollout.config import RolloutSettings
+from services.rollout.server import RolloutApp
+from services.scheduler.app import SchedulerApp
+from services.scheduler.config import SchedulerSettings
+
+GROUPS = 4
+
+
+async def _start_workers(
+    model: Path, rollouts: int, grace: float = 0.5
+) -> tuple[RunningServer, RunningServer, list[RunningServer]]:
+    env = await start_server(EnvApp(EnvSettings(port=0, env_args=dict(DEMO_TASK))), EnvSettings(port=0))
+    learner_settings = LearnerSettings(model=str(model), device="cpu", dtype="float32", port=0, lr=1e-3)
+    learner = await start_server(LearnerApp(learner_settings), learner_settings)
+    workers = []
+    for i in range(rollouts):
+        settings = RolloutSettings(
+            model=str(model),
+            engine="transformers",
+            port=0,
+            max_model_len=256,
+            hf_num_threads=1,
+            rollout_id=f"r{i}",
+            max_in_flight=4,
+            grace_seconds=grace,
+        )
+        workers.append(await start_server(RolloutApp(settings), settings))
+    return env, learner, workers
+
+
+def _scheduler_settings(env, learner, rollouts, run_dir: Path, steps: int) -> SchedulerSettings:
+    return SchedulerSettings(
+        port=0,
+        env_address=env.address,
+        learner_address=learner.address,
+        rollout_addresses=[r.address for r in rollouts],
+        group_size=4,
+        groups_per_batch=GROUPS,
+        max_steps=steps,
+        max_staleness=1,
+        weight_transport="shared_memory",
+        run_dir=run_dir,
+        health_interval_seconds=0.3,
+        sampling={"max_tokens": 4},
+        timeouts={"generate": 60, "weight_sync": 60, "control": 10, "score": 30, "connect": 30},
+    )
+
+
+async def _close_all(*servers: RunningServer) -> None:
+    for server in servers:
+        await server.close()
+
+
+async def test_run_status_and_bad_requests(tiny_model_dir: Path, tmp_path: Path) -> None:
+    env, learner, rollouts = await _start_workers(tiny_model_dir, rollouts=1)
+    settings = _scheduler_settings(env, learner, rollouts, tmp_path, steps=3)
+    app = SchedulerApp(settings)
+    scheduler = await start_server(app, settings)
+    channel = open_channel(scheduler.address)
+    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    try:
+        await asyncio.wait_for(app.run_task, timeout=300)
+        status = await stub.GetStatus(scheduler_pb2.GetStatusRequest(), timeout=10)
+        assert status.finished and not status.error
+        assert (status.step, status.learner_version, status.max_steps) == (3, 3, 3)
+        assert status.groups_by_state["trained"] == 3 * GROUPS
+        assert [r.weight_version for r in status.rollouts] == [3]
+        assert status.logprob_abs_diff_max <= 1e-3
+
+        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["weight_version"] for r in rows] == [1, 2, 3]
+        assert all(
+            r["logprob_abs_diff_max"] <= 1e-3 and r["weight_transport"] == "shared_memory" for r in rows
+        )
+
+        assert (await stub.Pause(scheduler_pb2.PauseRequest(), timeout=5)).paused
+        assert (await stub.GetStatus(scheduler_pb2.GetStatusRequest(), timeout=5)).paused
+        assert not (await stub.Resume(scheduler_pb2.ResumeRequest(), timeout=5)).paused
+
+        for bad in (
+            scheduler_pb2.RegisterWorkerRequest(kind=scheduler_pb2.WORKER_KIND_ROLLOUT, address="no-port"),
+            scheduler_pb2.RegisterWorkerRequest(kind=scheduler_pb2.WORKER_KIND_UNSPECIFIED, address="h:1"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.RegisterWorker(bad, timeout=5)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (await stub.GetStatus(scheduler_pb2.GetStatusRequest(), timeout=5)).finished  # still serving
+    finally:
+        await channel.close()
+        await _close_all(scheduler, *rollouts, learner, env)
+
+
+async def test_run_survives_a_dead_rollout(tiny_model_dir: Path, tmp_path: Path) -> None:
+    env, learner, rollouts = await _start_workers(tiny_model_dir, rollouts=2, grace=0.0)
+    settings = _scheduler_settings(env, learner, rollouts, tmp_path, steps=4)
+    app = SchedulerApp(settings)
+    scheduler = await start_server(app, settings)
+    try:
+        orch = app.orchestrator
+        doomed = next(h for h in orch.pool.handles() if h.address == rollouts[1].address)
+        while orch.step < 1 or doomed.in_flight == 0:
+            assert not app.run_task.done(), orch.error
+            await asyncio.sleep(0.01)
+        await rollouts[1].close()  # the worker dies mid-run (no grace): its in-flight groups fail
+        await asyncio.wait_for(app.run_task, timeout=300)
+        assert orch.finished and not orch.error, orch.error
+
+        handles = {h.rollout_id: h for h in orch.pool.handles()}
+        assert not handles["r1"].healthy and handles["r0"].healthy
+        assert handles["r0"].version == 4
+
+        records = orch.ledger.records()
+        trained = [r for r in records if r.state == "trained"]
+        assert len(trained) == 4 * GROUPS == len({r.group_id for r in trained})
+        # The dead worker's in-flight groups were dropped, and each prompt came back as a later attempt.
+        lost = [r for r in records if r.state == "dropped" and r.rollout_id == "r1"]
+        assert lost, "the killed rollout had groups in flight"
+        for dropped in (r for r in records if r.state == "dropped"):
+            assert any(r.prompt_id == dropped.prompt_id and r.attempt > dropped.attempt for r in records)
+    finally:
+        await _close_all(scheduler, rollouts[0], learner, env)

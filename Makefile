@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 RUFF := $(VENV)/bin/ruff
 BUF := $(VENV)/bin/buf
 PROFILE ?= cpu
-PY_DIRS := services tests scripts
+PY_DIRS := services tests scripts bench
 
 # Passed to the launcher only when set, so its own defaults apply otherwise.
 DEMO_FLAGS := $(if $(STEPS),--steps $(STEPS)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)

@@ -109,9 +109,8 @@ def main() -> None:
     for name, r in results.items():
         stage = statistics.median(r["stage_ms"])
         gibps = r["bytes"][0] / 2**30 / (stage / 1e3)
-        print(
-            f"{name:<15}{statistics.median(r['prepare_ms']):>12.1f}{stage:>12.1f}{gibps:>13.2f}{base / stage:>14.2f}x"
-        )
+        prepare = statistics.median(r["prepare_ms"])
+        print(f"{name:<15}{prepare:>12.1f}{stage:>12.1f}{gibps:>13.2f}{base / stage:>14.2f}x")
 
 
 if __name__ == "__main__":

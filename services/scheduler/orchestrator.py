@@ -82,13 +82,14 @@ class Orchestrator:
         self.probe: types_pb2.TokenSequence | None = None
         self.advantage_mode = settings.advantage_mode
         self._group_tasks: set[asyncio.Task] = set()
-        self._metrics = MetricsLog(settings.run_dir)
+        self._metrics: MetricsLog | None = None  # opened when the run starts
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Train until max_steps (or cancellation). Records a failure in `self.error` and re-raises."""
         background = []
+        self._metrics = MetricsLog(self.settings.run_dir)
         try:
             await self._prepare()
             background = [

@@ -45,6 +45,8 @@ _RETRYABLE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.ABORTED,
 }
+# A prompt whose group failed this many times is given up (logged and counted as dropped).
+_MAX_ATTEMPTS = 5
 
 
 @dataclass
@@ -215,46 +217,57 @@ class Orchestrator:
             task.add_done_callback(self._group_tasks.discard)
 
     async def _run_group(self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle) -> None:
-        cfg = self.settings
+        """Generate (rollout) → score (env) → queue for training. Failures drop the group; retryable
+        ones re-issue its prompt, and only a rollout failure counts against the rollout."""
         try:
             completions = await self._generate(group_id, prompt, handle)
-            self.ledger.advance(group_id, GroupState.GENERATED)
-            tokens = sum(len(c.completion_token_ids) for c in completions)
-            self.tokens.add(tokens)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                await self.pool.mark(handle, healthy=False)
+            self._fail_group(group_id, prompt, f"rollout {handle.rollout_id}", exc)
+            return
+        except Exception as exc:  # a broken answer from the rollout: log it, never lose the prompt
+            log.exception("rollout returned an unusable group", group=group_id, rollout=handle.rollout_id)
+            self._fail_group(group_id, prompt, f"rollout {handle.rollout_id}", exc)
+            return
+        finally:
+            await self.pool.release(handle)  # the rollout is free as soon as generation ends
+        self.ledger.advance(group_id, GroupState.GENERATED)
+        tokens = sum(len(c.completion_token_ids) for c in completions)
+        self.tokens.add(tokens)
+        try:
             scores = await self.env.ScoreCompletions(
                 env_pb2.ScoreCompletionsRequest(prompt=prompt, completions=completions),
-                timeout=cfg.timeouts.score,
+                timeout=self.settings.timeouts.score,
             )
-            if scores.skip_group:
-                reasons = "; ".join(i.failure for i in scores.reward_infos if not i.ok)
-                self._drop(group_id, f"scoring failed: {reasons}")
-                return
-            self.ledger.advance(group_id, GroupState.SCORED)
-            group = types_pb2.ScoredGroup(
-                group_id=group_id,
-                prompt=prompt,
-                completions=completions,
-                rewards=scores.rewards,
-                reward_infos=scores.reward_infos,
-            )
-            await self.scored.put(_Scored(group, tokens))
         except grpc.aio.AioRpcError as exc:
-            retry = exc.code() in _RETRYABLE
-            log.warning(
-                "group failed",
-                group=group_id,
-                rollout=handle.rollout_id,
-                code=exc.code().name,
-                detail=exc.details(),
-                reissue=retry,
-            )
-            self._drop(group_id, f"{exc.code().name}: {exc.details()}")
-            if retry:
-                self.reissue.append(prompt)
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    await self.pool.mark(handle, healthy=False)
-        finally:
-            await self.pool.release(handle)
+            self._fail_group(group_id, prompt, "env", exc)
+            return
+        if scores.skip_group:  # the env's failure policy: a reward could not be computed
+            reasons = "; ".join(i.failure for i in scores.reward_infos if not i.ok)
+            self._drop(group_id, f"scoring failed: {reasons}")
+            return
+        self.ledger.advance(group_id, GroupState.SCORED)
+        group = types_pb2.ScoredGroup(
+            group_id=group_id,
+            prompt=prompt,
+            completions=completions,
+            rewards=scores.rewards,
+            reward_infos=scores.reward_infos,
+        )
+        await self.scored.put(_Scored(group, tokens))
+
+    def _fail_group(self, group_id: str, prompt: types_pb2.Prompt, where: str, exc: Exception) -> None:
+        """Drop the group; re-issue its prompt unless the failure says the request itself is bad."""
+        if isinstance(exc, grpc.aio.AioRpcError):
+            reason, retry = f"{where}: {exc.code().name}: {exc.details()}", exc.code() in _RETRYABLE
+        else:
+            reason, retry = f"{where}: {type(exc).__name__}: {exc}", True
+        retry = retry and self.ledger.get(group_id).attempt + 1 < _MAX_ATTEMPTS
+        log.warning("group failed", group=group_id, reason=reason, reissue=retry)
+        self._drop(group_id, reason)
+        if retry:
+            self.reissue.append(prompt)
 
     async def _generate(
         self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle

@@ -104,3 +104,17 @@ def test_reasoning_gym_errors() -> None:
         load_environment("reasoning_gym:no_such_task")
     with pytest.raises(EnvLoadError, match="needs a task"):
         load_environment("reasoning_gym")
+
+
+async def test_gsm8k_parquet_file_matches_jsonl(gsm8k_file: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "gsm8k.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), parquet)
+    from_jsonl = load_environment("gsm8k", {"path": str(gsm8k_file), "eval_size": 5})
+    from_parquet = load_environment("gsm8k", {"path": str(parquet), "eval_size": 5})
+    await from_jsonl.setup()
+    await from_parquet.setup()
+    got = [(p.messages, p.reference_answer) for p in await from_parquet.sample(8, "train")]
+    assert got == [(p.messages, p.reference_answer) for p in await from_jsonl.sample(8, "train")]

@@ -17,7 +17,6 @@ import statistics
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
 
 import grpc
 
@@ -49,12 +48,6 @@ _RETRYABLE = {
 _MAX_ATTEMPTS = 5
 
 
-@dataclass
-class _Scored:
-    group: types_pb2.ScoredGroup
-    generated_tokens: int
-
-
 class Orchestrator:
     def __init__(
         self,
@@ -71,7 +64,9 @@ class Orchestrator:
         batch = settings.groups_per_batch
         self.prompts: asyncio.Queue[types_pb2.Prompt] = asyncio.Queue(maxsize=settings.prompt_buffer)
         self.reissue: deque[types_pb2.Prompt] = deque()
-        self.scored: asyncio.Queue[_Scored] = asyncio.Queue(maxsize=(settings.max_staleness + 1) * batch)
+        self.scored: asyncio.Queue[types_pb2.ScoredGroup] = asyncio.Queue(
+            maxsize=(settings.max_staleness + 1) * batch
+        )
         self.version = 0
         self.step = 0
         self.resumed = asyncio.Event()
@@ -255,7 +250,7 @@ class Orchestrator:
             rewards=scores.rewards,
             reward_infos=scores.reward_infos,
         )
-        await self.scored.put(_Scored(group, tokens))
+        await self.scored.put(group)
 
     def _fail_group(self, group_id: str, prompt: types_pb2.Prompt, where: str, exc: Exception) -> None:
         """Drop the group; re-issue its prompt unless the failure says the request itself is bad."""
@@ -301,14 +296,14 @@ class Orchestrator:
         """B groups within the staleness bound; late ones are dropped and their prompts re-issued."""
         groups, staleness = [], []
         while len(groups) < self.settings.groups_per_batch:
-            item = await self.scored.get()
-            age = group_staleness(item.group.completions, self.version)
+            group = await self.scored.get()
+            age = group_staleness(group.completions, self.version)
             if age > self.settings.max_staleness:
-                self._drop(item.group.group_id, f"stale by {age} versions")
-                self.reissue.append(item.group.prompt)
+                self._drop(group.group_id, f"stale by {age} versions")
+                self.reissue.append(group.prompt)
                 await self.pool.notify()
                 continue
-            groups.append(item.group)
+            groups.append(group)
             staleness.append(age)
         return groups, staleness
 

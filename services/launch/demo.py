@@ -26,7 +26,7 @@ from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.clients import open_channel
 from services.common.tiny_model import DEMO_TASK, build_tiny_model
 from services.launch.processes import ServiceFailed, ServiceProcess
-from services.launch.report import plot_reward, read_metrics, summarize
+from services.launch.report import last_row, plot_reward, read_metrics, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -131,9 +131,9 @@ async def follow(
                     proc.check_alive()
                 status = await stub.GetStatus(scheduler_pb2.GetStatusRequest(), timeout=10)
                 bar.update(status.step - bar.n)
-                rows = read_metrics(cfg.run_dir)
-                if rows and "reward_mean" in rows[-1]:
-                    bar.set_postfix(reward=f"{rows[-1]['reward_mean']:.3f}", v=status.learner_version)
+                row = last_row(cfg.run_dir)
+                if row and "reward_mean" in row:
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", v=status.learner_version)
                 if status.finished or status.error:
                     return status
                 await asyncio.sleep(1.0)

@@ -16,6 +16,20 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def last_row(run_dir: Path, tail_bytes: int = 8192) -> dict[str, Any] | None:
+    """The newest metrics row, reading only the end of the file (cheap enough to poll every second)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    with path.open("rb") as handle:
+        handle.seek(max(0, path.stat().st_size - tail_bytes))
+        lines = [line for line in handle.read().splitlines() if line.strip()]
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:  # a line cut by the tail window or still being written
+        return None
+
+
 def step_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if not r.get("eval_only")]
 

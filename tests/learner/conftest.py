@@ -33,12 +33,9 @@ def micro_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def model_dir(request: pytest.FixtureRequest, micro_model_dir: Path) -> Path:
-    """The project's tiny model when its fixture exists (tests/conftest.py), else the micro model."""
-    try:
-        return request.getfixturevalue("tiny_model_dir")
-    except pytest.FixtureLookupError:
-        return micro_model_dir
+def model_dir(tiny_model_dir: Path) -> Path:
+    """The project's tiny model (tests/conftest.py), for the gRPC-level learner tests."""
+    return tiny_model_dir
 
 
 @pytest.fixture

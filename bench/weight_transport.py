@@ -1,9 +1,10 @@
-"""Weight-transport benchmark: grpc_stream (baseline) vs shared_memory, measured in the same run.
+"""Weight-transport benchmark: every implemented transport against grpc_stream, measured in the same run.
 
 A real Learner service (in-process gRPC server on 127.0.0.1:0) publishes the weights of a random
-Qwen2 model of the chosen size; the rollout's real staging code (`services.rollout.weight_sync`)
-fetches and checksum-verifies them. Reports prepare (learner snapshot + SHA-256) and stage (fetch +
-verify) times and bandwidth, and the ratio of each transport to the grpc_stream baseline.
+Qwen2 model of the chosen size; the rollout's real staging code (`services.rollout.weight_sync`,
+which calls each transport's rollout half in `services/transports/`) fetches and checksum-verifies
+them. Reports prepare (learner snapshot + SHA-256) and stage (fetch + verify) times and bandwidth,
+and the ratio of each transport to the grpc_stream baseline.
 Loading into an engine is not included (it does not depend on the transport).
 
     .venv/bin/python bench/weight_transport.py --hidden 512 --layers 8 --repeats 3
@@ -21,19 +22,16 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from grpo.common.v1 import types_pb2
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.common.clients import open_channel
 from services.common.serve import start_server
-from services.learner.app import LearnerApp
 from services.learner.config import LearnerSettings
-from services.rollout.servicer import stage_target_from_proto
+from services.learner.server import LearnerApp
 from services.rollout.weight_sync import WeightStager
+from services.transports.registry import TRANSPORTS, kind_to_proto, target_from_proto
 
-KINDS = {
-    "grpc_stream": types_pb2.WEIGHT_TRANSPORT_KIND_GRPC_STREAM,
-    "shared_memory": types_pb2.WEIGHT_TRANSPORT_KIND_SHARED_MEMORY,
-}
+# Every implemented transport (grpc_stream first: the baseline the others are compared with).
+KINDS = {kind.value: kind_to_proto(kind) for kind in TRANSPORTS}
 
 
 def build_model(directory: Path, hidden: int, layers: int, vocab: int) -> int:
@@ -69,9 +67,7 @@ async def measure(model_dir: Path, repeats: int) -> dict[str, dict[str, list[flo
                 )
                 t1 = time.perf_counter()
                 stager = WeightStager("bench", fetch_timeout_s=600)
-                staged = await stager.stage(
-                    stage_target_from_proto(prepared.weight_version), current_version=-1
-                )
+                staged = await stager.stage(target_from_proto(prepared.weight_version), current_version=-1)
                 t2 = time.perf_counter()
                 stager.close()
                 del staged

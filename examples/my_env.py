@@ -7,7 +7,7 @@
 
 2. A TRL-style reward function, added to any environment's reward with a weight:
 
-       python -m services.env check arithmetic --reward-func examples/my_env.py:brevity --reward-weight 0.1
+       python -m services.env check arithmetic --reward-funcs examples/my_env.py:brevity --reward-weights 0.1
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.tiny_model import build_tiny_model
 from services.launch.demo import DemoSettings, default_model_dir
+from services.launch.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache"

@@ -16,15 +16,36 @@ atropos #457), and the denominator is std + ε·scale.
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 
-ADVANTAGE_MODES = ("group_std", "group_mean", "batch_std")
-# Convenience: the advantage mode each loss is usually paired with.
-MODE_FOR_LOSS = {
-    "grpo": "group_std",
-    "dr_grpo": "group_mean",
-    "dapo": "group_std",
-    "gspo": "group_std",
-    "cispo": "group_std",
+# Enum member names equal their values, so `--help` lists the values users type.
+
+
+class LossKind(StrEnum):
+    """The learner's objectives (services/learner/losses.py). Named here, in common, because the
+    scheduler pairs each with an advantage mode and the launcher offers them as choices."""
+
+    grpo = "grpo"
+    dr_grpo = "dr_grpo"
+    dapo = "dapo"
+    gspo = "gspo"
+    cispo = "cispo"
+
+
+class AdvantageMode(StrEnum):
+    group_std = "group_std"
+    group_mean = "group_mean"
+    batch_std = "batch_std"
+
+
+ADVANTAGE_MODES = tuple(AdvantageMode)
+# The advantage mode each loss is usually paired with (the scheduler's `advantage_mode=auto`).
+MODE_FOR_LOSS: dict[LossKind, AdvantageMode] = {
+    LossKind.grpo: AdvantageMode.group_std,
+    LossKind.dr_grpo: AdvantageMode.group_mean,
+    LossKind.dapo: AdvantageMode.group_std,
+    LossKind.gspo: AdvantageMode.group_std,
+    LossKind.cispo: AdvantageMode.group_std,
 }
 
 

@@ -2,10 +2,14 @@
 
 Precedence (highest first): command-line flags > `GRPO_<SVC>__<FIELD>` environment variables >
 the service's table in the run-config file > defaults. The run-config file is one TOML file with a
-table per service (`[scheduler]`, `[learner]`, `[rollout]`, `[env]`), given by `--config PATH` or
-`GRPO_CONFIG`, so one file describes a whole run. Nested fields use `__` in env vars
-(`GRPO_LEARNER__OPTIM__LR=1e-5`) and `.` on the command line (`--optim.lr 1e-5`). Unknown fields are
-rejected from every source (an unknown `GRPO_<SVC>__X` variable too), so a typo never passes silently.
+table per service (`[scheduler]`, `[learner]`, `[rollout]`, `[env]`, and nested tables such as
+`[learner.optim]`), given by `--config PATH` or `GRPO_CONFIG`, so one file describes a whole run.
+Each component's options are one nested model, defined next to the code that uses them and consumed
+by it directly: the learner's optimizer is `--optim.lr 1e-5` on the command line,
+`GRPO_LEARNER__OPTIM__LR=1e-5` in the environment and `[learner.optim] lr = 1e-5` in the file.
+Unknown fields are rejected from every source (an unknown `GRPO_<SVC>__X` variable too), so a typo
+never passes silently; a missing required field or a bad value on the command line is a one-line
+`error: --field: ...` and exit code 2, like any other CLI mistake.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 CONTROL_MESSAGE_BYTES = 16 << 20
 
@@ -65,6 +69,22 @@ def _reject_unknown_env(settings_cls: type[BaseSettings]) -> None:
                 )
 
 
+def cli_errors(cls: type[BaseSettings], exc: ValidationError, prog: str | None = None) -> str:
+    """One `error: --flag: message` line per problem, naming the field's description when it is missing."""
+    lines = []
+    for error in exc.errors():
+        path = [str(part) for part in error["loc"]]
+        flag = "--" + ".".join(p.replace("_", "-") for p in path) if path else "(settings)"
+        message = error["msg"]
+        field = cls.model_fields.get(path[0]) if len(path) == 1 else None
+        if error["type"] == "missing" and field is not None and field.description:
+            message = f"required: {field.description}"
+        elif "input" in error and error["type"] != "missing":
+            message = f"{message} (got {str(error['input'])[:80]!r})"
+        lines.append(f"{prog + ': ' if prog else ''}error: {flag}: {message}")
+    return "\n".join(lines)
+
+
 class ServiceSettings(BaseSettings):
     """Fields every service has. Subclasses set `config_table` and `model_config(env_prefix=...)`."""
 
@@ -98,6 +118,9 @@ class ServiceSettings(BaseSettings):
     max_concurrent_rpcs: int = Field(
         default=256, description="RPCs beyond this get RESOURCE_EXHAUSTED (explicit backpressure)."
     )
+    loop_lag_report_seconds: float = Field(
+        default=30.0, gt=0, description="How often the event-loop lag (max/mean wake-up delay) is logged."
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -123,6 +146,12 @@ class ServiceSettings(BaseSettings):
         cli = CliSettingsSource(cls, cli_prog_name=prog, cli_kebab_case=True, cli_implicit_flags=True)
         try:
             return cls(_cli_settings_source=cli(args=argv))
+        except ValidationError as exc:
+            print(cli_errors(cls, exc, prog), file=sys.stderr)
+            raise SystemExit(2) from None
+        except SettingsError as exc:  # a value the CLI source could not parse (e.g. bad JSON)
+            print(f"{prog + ': ' if prog else ''}error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
         finally:
             cls._config_path = None
 

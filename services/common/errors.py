@@ -1,11 +1,33 @@
-"""Domain errors and the one table that maps them to gRPC status codes.
+"""Domain errors and the two tables that map them to and from gRPC status codes.
 
-Services raise these typed exceptions from pure logic; the error interceptor (see `serve.py`)
-turns them into a status with a clear message. Anything else becomes INTERNAL and is logged with
-its traceback, so a client mistake is never reported as a server fault and vice versa.
+Server side: services raise these typed exceptions from pure logic; the error interceptor (see
+`serve.py`) turns them into a status with a clear message (`status_for`). Anything else becomes
+INTERNAL and is logged with its traceback, so a client mistake is never reported as a server fault
+and vice versa.
+
+Client side: every gRPC client in the system turns a failed call into the same domain errors
+(`from_rpc_error`), so callers decide with two flags instead of status-code sets of their own:
+
+    retryable    the same request may succeed later (a different worker, after a back-off)
+    unreachable  the peer did not answer (down, draining, too slow): mark it unhealthy
+
+| code                | error              | retryable | unreachable |
+|---------------------|--------------------|-----------|-------------|
+| INVALID_ARGUMENT    | InvalidArgument    |           |             |
+| FAILED_PRECONDITION | FailedPrecondition |           |             |
+| NOT_FOUND           | NotFound           |           |             |
+| ABORTED             | Aborted            | yes       |             |
+| RESOURCE_EXHAUSTED  | ResourceExhausted  | yes       |             |
+| UNAVAILABLE         | Unavailable        | yes       | yes         |
+| DEADLINE_EXCEEDED   | DeadlineExceeded   | yes       | yes         |
+| CANCELLED           | Cancelled          | yes       | yes         |
+| DATA_LOSS           | DataLoss           |           |             |
+| anything else       | RemoteError        |           |             |
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import grpc
 
@@ -14,6 +36,8 @@ class GrpoError(Exception):
     """Base class of every error that maps to a specific gRPC status."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    retryable: ClassVar[bool] = False
+    unreachable: ClassVar[bool] = False
 
 
 class InvalidArgument(GrpoError):
@@ -38,18 +62,22 @@ class Aborted(GrpoError):
     """A conflicting concurrent change won (e.g. a stale weight version); retry at a higher level."""
 
     code = grpc.StatusCode.ABORTED
+    retryable = True
 
 
 class ResourceExhausted(GrpoError):
     """Backpressure: a bounded queue or concurrency cap is full. Back off and retry."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    retryable = True
 
 
 class Unavailable(GrpoError):
     """Draining or a dependency is down. Idempotent calls may retry."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+    unreachable = True
 
 
 class DataLoss(GrpoError):
@@ -59,15 +87,59 @@ class DataLoss(GrpoError):
 
 
 class DeadlineExceeded(GrpoError):
-    """An internal step (e.g. a weight transfer) ran past its own deadline."""
+    """A call or an internal step (e.g. a weight transfer) ran past its deadline."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+    retryable = True
+    unreachable = True
+
+
+class Cancelled(GrpoError):
+    """The call was cancelled (its channel closed, or the peer went away mid-call)."""
+
+    code = grpc.StatusCode.CANCELLED
+    retryable = True
+    unreachable = True
+
+
+class RemoteError(GrpoError):
+    """A peer failed with a status outside the table (INTERNAL, UNKNOWN, UNIMPLEMENTED, ...)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a server returns for `exc` (the one mapping table)."""
+    """The status code and message a server returns for `exc` (the server-side table)."""
     if isinstance(exc, GrpoError):
         return exc.code, str(exc) or type(exc).__name__
     if isinstance(exc, NotImplementedError):
         return grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+_FROM_CODE: dict[grpc.StatusCode, type[GrpoError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        FailedPrecondition,
+        NotFound,
+        Aborted,
+        ResourceExhausted,
+        Unavailable,
+        DeadlineExceeded,
+        Cancelled,
+        DataLoss,
+    )
+}
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str = "") -> GrpoError:
+    """The domain error for a failed client call (the client-side table); the message names the peer,
+    the code and the server's details. Raise it `from exc` to keep the original."""
+    code = exc.code()
+    where = f"{peer}: " if peer else ""
+    message = f"{where}{code.name}: {exc.details()}"
+    cls = _FROM_CODE.get(code)
+    return cls(message) if cls is not None else RemoteError(message, code)

@@ -1,8 +1,8 @@
 """The one server skeleton every grpo-mesh service runs on.
 
     uvloop → grpc.aio server (explicit message limits, concurrency cap) → reflection + health →
-    listen → app.start() (load model, connect peers) → readiness SERVING → wait for SIGTERM/SIGINT →
-    health NOT_SERVING → server.stop(grace) → app.stop() (tasks, channels).
+    listen (+ event-loop lag monitor) → app.start() (load model, connect peers) → readiness SERVING →
+    wait for SIGTERM/SIGINT → health NOT_SERVING → server.stop(grace) → app.stop() (tasks, channels).
 
 Liveness (`service=""`) is SERVING as soon as the port answers; readiness (the full service name)
 only after `app.start()` returns, and both drop to NOT_SERVING while draining.
@@ -25,9 +25,11 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.clients import grpc_options
 from services.common.config import ServiceSettings
 from services.common.errors import status_for
 from services.common.logging import configure_logging, get_logger
+from services.common.loop_lag import LoopLagMonitor
 
 log = get_logger(__name__)
 
@@ -49,17 +51,15 @@ class ServiceApp(Protocol):
         """Cancel background tasks and close outbound channels."""
 
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Channel/server options, identical on both sides: explicit size limits and keepalive."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.so_reuseport", 0),
-    ]
+def service_names(*modules: Any) -> tuple[str, ...]:
+    """Full names of the gRPC services defined in generated `_pb2` modules (from their DESCRIPTOR).
+
+    `service_names(learner_pb2)` → ("grpo.learner.v1.LearnerService",): adapters, reflection and
+    health checks take their names from the contract, never from a hand-written string.
+    """
+    return tuple(
+        service.full_name for module in modules for service in module.DESCRIPTOR.services_by_name.values()
+    )
 
 
 class _ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -127,6 +127,7 @@ class RunningServer:
     app: ServiceApp
     port: int
     grace_seconds: float
+    loop_lag: LoopLagMonitor
 
     @property
     def address(self) -> str:
@@ -144,6 +145,7 @@ class RunningServer:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_seconds)
         await self.app.stop()
+        await self.loop_lag.stop()
 
 
 async def start_server(app: ServiceApp, settings: ServiceSettings) -> RunningServer:
@@ -163,10 +165,12 @@ async def start_server(app: ServiceApp, settings: ServiceSettings) -> RunningSer
     if port == 0:
         raise OSError(f"could not bind {settings.host}:{settings.port}")
     app.bound_port = port  # before start(): e.g. the learner advertises host:port for weight fetches
-    running = RunningServer(server, health_servicer, app, port, settings.grace_seconds)
+    loop_lag = LoopLagMonitor(report_every=settings.loop_lag_report_seconds)
+    running = RunningServer(server, health_servicer, app, port, settings.grace_seconds, loop_lag)
     await running.set_ready(False)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await server.start()
+    loop_lag.start()
     log.info("listening", port=port, services=list(app.service_names))
     started = time.perf_counter()
     try:

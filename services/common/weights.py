@@ -2,8 +2,9 @@
 
 The learner packs its `state_dict()` (HF names, unsharded, in module order so tied heads and
 layer-wise loaders see every tensor) into a contiguous buffer split into buckets; each bucket gets
-a SHA-256. Rollouts receive the same bytes by any transport (gRPC chunk stream, shared memory, ...),
-verify every bucket, and rebuild tensors with `torch.frombuffer` - no pickle anywhere.
+a SHA-256. Rollouts receive the same bytes by any transport (`services/transports/`), verify every
+bucket, and rebuild tensors with `torch.frombuffer` - no pickle anywhere. This layout is the one
+thing all transports share.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
@@ -147,26 +147,6 @@ def chunk_ranges(
         end = bucket.offset + bucket.nbytes
         for start in range(bucket.offset, end, chunk_bytes):
             yield bucket.index, start, min(chunk_bytes, end - start)
-
-
-_CREATED_HERE: set[str] = set()  # segments this process created (its tracker entry is the producer's)
-
-
-def create_segment(name: str, size: int) -> shared_memory.SharedMemory:
-    """A new POSIX shared-memory segment owned (and later unlinked) by the caller."""
-    segment = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
-    _CREATED_HERE.add(segment._name)
-    return segment
-
-
-def attach_segment(name: str) -> shared_memory.SharedMemory:
-    """Attach to a producer's segment without letting this process's resource tracker unlink it."""
-    segment = shared_memory.SharedMemory(name=name, create=False)
-    # Python < 3.13 registers attached segments too and would unlink the producer's memory at exit.
-    # When the producer is this same process, the one tracker entry is the producer's: keep it.
-    if segment._name not in _CREATED_HERE:
-        resource_tracker.unregister(segment._name, "shared_memory")
-    return segment
 
 
 def manifest_to_proto(manifest: Manifest, message: types_pb2.WeightVersion) -> None:

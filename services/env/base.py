@@ -1,32 +1,36 @@
-"""The plug-in API: the `Environment` base class and the plain data types it speaks.
+"""The plug-in API: the stateless `Environment` base class and the plain data types it speaks.
 
-An environment is two things:
+An environment is two things, and keeps no service state for either:
 
-* a **prompt source** — `sample(n, split)` draws prompts from the "train" or "eval" split. The simple
-  way to write one is random access: `split_size(split)` (0 = procedural, unbounded) and
-  `prompt_at(split, index)`; the base class then gives a seeded, resumable cursor per split (train
-  order is reshuffled every epoch from the seed, eval order is fixed). Override `sample` instead for
-  any other async source.
-* a **scorer** — `score(prompt, completions)` returns one reward per completion (a float, None, or a
+* a **prompt source**. The simple way is random access: `split_size(split)` (0 = procedural,
+  unbounded) and `prompt_at(split, index)`. For a source without random access, override
+  `sample(n, split, start)` instead. Either way the service's `PromptCursor` (cursor.py) owns the
+  positions: it remembers where each split is, shuffles train order per epoch, replays eval from 0
+  and resumes from a saved position, so the same environment object can serve any position.
+* a **scorer**. `score(prompt, completions)` returns one reward per completion (a float, None, or a
   `Score` with the parsed answer and details). It always runs inside an isolated scoring worker
   process (see `scoring.py`), never on the service's event loop; it may be sync or async. The default
-  calls `score_one` per completion and records an exception there as that completion's failure.
+  calls `score_one` per completion and records an exception there as that completion's failure
+  (kind "exception").
+
+Options are a pydantic model: write `class MyEnv(Environment[MyOptions])` and `self.options` is a
+`MyOptions` (and `Options` is taken from the type parameter); the older `Options: ClassVar[...] = X`
+form on an unparametrised subclass works too.
 
 Optional hooks: `setup()` (load data, runs in the service), `setup_scorer()` (runs once in each
 scoring worker), `evaluate(results)` (extra eval metrics), `reference_completion`/`wrong_answers`
-(used by `python -m services.env check`).
+(used by `python -m services.env check`), `options_dict()` (what DescribeEnvironment shows).
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 import numbers
-import random
-from collections.abc import Sequence
+import typing
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict
 
@@ -40,9 +44,21 @@ class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
+
+
 @dataclass(frozen=True)
 class PromptItem:
-    """One task instance. Exactly one of `text` / `messages` is set (messages: [{"role", "content"}])."""
+    """One task instance, as served to the rollout and handed back to the scorer.
+
+    id: unique within its split (the service appends "@<position>" to train ids of finite data).
+    text / messages: exactly one is set; text is fed to the model as is, messages
+        ({"role", "content"} dicts) go through the model's chat template.
+    reference_answer: the expected answer (for scorers, `check`, and reward functions' `answer`).
+    metadata: free str → str pairs the env sets in `prompt_at`/`sample` (e.g. {"split": "train",
+        "index": "7"}); they travel with the prompt and reach `score_one` unchanged, and TRL-style
+        reward functions receive each key as a column.
+    """
 
     id: str
     text: str = ""
@@ -63,6 +79,15 @@ class Score:
     parsed_answer: str = ""
     details: dict[str, str] = field(default_factory=dict)
     failure: str = ""
+
+
+def failure(kind: str, message: str) -> Score:
+    """A failed score of the given kind: failure text "<kind>: <message>", details["failure_kind"] = kind.
+
+    The kind is what failure counters are keyed by (`env/failures.<kind>`), so every failure path
+    (a raising `score_one`, a crashed worker, a NaN reward) labels itself the same way.
+    """
+    return Score(reward=None, failure=f"{kind}: {message}", details={"failure_kind": kind})
 
 
 @dataclass
@@ -86,22 +111,51 @@ def as_score(value: Any) -> Score:
     return Score(reward=None, failure=message, details={"failure_kind": "bad_output"})
 
 
-class Environment:
-    """Base class of every environment. Subclass it, set `name`/`Options`, implement source and scorer."""
+class Scorer(Protocol):
+    """What scores completions: an `Environment` itself, or a `rewards.RewardFunctionScorer` around one."""
+
+    @property
+    def reward_range(self) -> tuple[float, float]: ...
+
+    @property
+    def success_threshold(self) -> float: ...
+
+    def setup_scorer(self) -> None: ...
+
+    def score(
+        self, prompt: PromptItem, completions: Sequence[str]
+    ) -> Awaitable[list[Score | float | None]]: ...
+
+    def reference_completion(self, prompt: PromptItem) -> str: ...
+
+    def wrong_answers(self, prompt: PromptItem) -> list[str]: ...
+
+    def options_dict(self) -> dict[str, Any]: ...
+
+
+class Environment(Generic[OptionsT]):
+    """Base class of every environment. Subclass it (`Environment[MyOptions]`), set `name`, implement
+    a prompt source (`split_size` + `prompt_at`, or `sample`) and a scorer (`score_one` or `score`)."""
 
     name: ClassVar[str] = "custom"
     description: ClassVar[str] = ""
     # Pydantic model of the env's options; `--env-arg k=v` and the run config are validated against it.
+    # Taken from the type parameter (`Environment[MyOptions]`) when a subclass does not set it.
     Options: ClassVar[type[BaseModel]] = NoOptions
     # Rewards outside [low, high] are recorded as scoring failures.
     reward_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
     # A completion with reward >= this counts as solved (accuracy and pass@k in evaluation).
     success_threshold: ClassVar[float] = 1.0
 
-    def __init__(self, options: BaseModel | None = None) -> None:
-        self.options = options if options is not None else self.Options()
-        self._positions: dict[str, int] = dict.fromkeys(SPLITS, 0)
-        self._order: tuple[tuple[int, int], list[int]] | None = None  # train permutation of one epoch
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "Options" not in cls.__dict__:
+            declared = _options_parameter(cls)
+            if declared is not None:
+                cls.Options = declared
+
+    def __init__(self, options: OptionsT | None = None) -> None:
+        self.options: OptionsT = options if options is not None else cast(OptionsT, self.Options())
 
     # ----------------------------------------------------------------- lifecycle hooks
     async def setup(self) -> None:
@@ -112,6 +166,7 @@ class Environment:
 
     @property
     def seed(self) -> int:
+        """The `seed` option when the env has one (it keys the train shuffle), else 0."""
         return int(getattr(self.options, "seed", 0))
 
     def options_dict(self) -> dict[str, Any]:
@@ -124,44 +179,18 @@ class Environment:
         return 0
 
     def prompt_at(self, split: SplitName, index: int) -> PromptItem:
-        """The index-th prompt of the split (random access). Override this or `sample`."""
+        """The index-th prompt of the split (random access, deterministic). Override this or `sample`."""
         raise NotImplementedError(f"{type(self).__name__} implements neither prompt_at nor sample")
 
-    def _ordered_index(self, split: SplitName, position: int) -> int:
-        """Map a cursor position to an item index: epoch-wise seeded shuffle for train, identity for eval."""
-        size = self.split_size(split)
-        if size == 0:
-            return position
-        epoch, offset = divmod(position, size)
-        if split == "eval":
-            return offset
-        key = (size, epoch)
-        if self._order is None or self._order[0] != key:
-            order = list(range(size))
-            random.Random(f"{self.name}/{self.seed}/epoch/{epoch}").shuffle(order)
-            self._order = (key, order)
-        return self._order[1][offset]
+    async def sample(self, n: int, split: SplitName, start: int) -> list[PromptItem]:
+        """The `n` prompts at positions start, start+1, … of `split`, for sources without random access.
 
-    def _take(self, split: SplitName, start: int, n: int) -> list[PromptItem]:
-        return [self.prompt_at(split, self._ordered_index(split, start + i)) for i in range(n)]
-
-    async def sample(self, n: int, split: SplitName = "train", start: int | None = None) -> list[PromptItem]:
-        """Draw `n` prompts and advance the split's cursor. `start` moves the cursor first (resume, eval)."""
-        position = self._positions[split] if start is None else start
-        self._positions[split] = position + n
-        return await asyncio.to_thread(self._take, split, position, n)
-
-    def position(self, split: SplitName) -> int:
-        return self._positions[split]
-
-    def state(self) -> dict[str, int]:
-        """Resumable state: the cursor of each split."""
-        return dict(self._positions)
-
-    def load_state(self, state: dict[str, int]) -> None:
-        for split in SPLITS:
-            if split in state:
-                self._positions[split] = int(state[split])
+        Override this instead of `prompt_at`; it is used only when overridden. The service's cursor owns
+        the positions and passes `start` explicitly (it advances by the number of prompts returned), so
+        keep no cursor here: the same `(split, start)` must give the same prompts, which is what makes
+        a run resumable. Positions are in the source's own order (the cursor does not shuffle them).
+        """
+        raise NotImplementedError(f"{type(self).__name__} implements neither prompt_at nor sample")
 
     # ----------------------------------------------------------------- scorer (runs in a worker process)
     async def score(self, prompt: PromptItem, completions: Sequence[str]) -> list[Score | float | None]:
@@ -176,12 +205,11 @@ class Environment:
             except NotImplementedError:
                 raise
             except Exception as exc:
-                message = f"{type(exc).__name__}: {exc}"
-                scores.append(Score(reward=None, failure=message, details={"failure_kind": "exception"}))
+                scores.append(failure("exception", f"{type(exc).__name__}: {exc}"))
         return scores
 
     def score_one(self, prompt: PromptItem, completion: str) -> Score | float | None:
-        """Score one completion. Override this or `score`."""
+        """Score one completion (its decoded text, as generated). Override this or `score`."""
         raise NotImplementedError(f"{type(self).__name__} implements neither score_one nor score")
 
     # ----------------------------------------------------------------- evaluation and smoke-test hooks
@@ -196,3 +224,19 @@ class Environment:
     def wrong_answers(self, prompt: PromptItem) -> list[str]:
         """Completions that must score below `success_threshold` (smoke test)."""
         return ["", "I do not know."]
+
+
+def _options_parameter(cls: type) -> type[BaseModel] | None:
+    """The options model named by `class X(Environment[MyOptions])` (or a generic subclass's parameter)."""
+    for base in cls.__dict__.get("__orig_bases__", ()):
+        origin = typing.get_origin(base)
+        if isinstance(origin, type) and issubclass(origin, Environment):
+            for arg in typing.get_args(base):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    return arg
+    return None
+
+
+def has_own_sample(env: Environment[Any]) -> bool:
+    """True when the env overrides `sample` (a source without random access)."""
+    return type(env).sample is not Environment.sample

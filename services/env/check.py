@@ -1,26 +1,84 @@
 """`python -m services.env check ENV_SPEC`: validate an environment before training.
 
 It loads the environment exactly as the service would (same loader, same option validation, same
-isolated scoring worker), then:
+cursor, same isolated scoring worker), then:
 
 1. samples `--n` prompts twice from two fresh instances and requires them to be identical (seeded);
 2. scores each prompt's reference completion (must reach the success threshold) and a few wrong
    completions (must stay below it), through the scoring pool, so a crash, hang, NaN or
-   out-of-range reward shows up here as it would in training;
-3. prints a table and exits 0, or exits 1 listing every problem (2 when the env cannot be loaded).
+   out-of-range reward shows up here as it would in training, with the same failure label
+   ("exception: ValueError: ..." for a raising `score_one`);
+3. prints a table and exits 0, or exits 1 listing every problem (2 when the env cannot be loaded or
+   the flags are invalid).
+
+Its flags are the service's recipe fields (config.EnvRecipeFields: `--env-arg`, `--reward-funcs`,
+`--seed`, `--score-timeout-seconds`, ...) plus `--n` and `--split`, parsed by pydantic-settings
+from the command line only: no `GRPO_ENV__*` variables or run-config file, so what is checked is what
+was typed.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Literal, TextIO
 
-from services.env.base import Environment, PromptItem, Score
-from services.env.loader import EnvLoadError, EnvRecipe, load_environment, parse_env_args
+from pydantic import Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    CliPositionalArg,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
+
+from services.env.base import PromptItem, Score, SplitName
+from services.env.config import EnvRecipeFields
+from services.env.cursor import PromptCursor
+from services.env.loader import EnvLoadError, EnvRecipe, load_recipe
 from services.env.scoring import ScoringPool
+
+PROG = "python -m services.env check"
+
+
+class CheckSettings(EnvRecipeFields, BaseSettings):
+    """Smoke-test an environment: sample prompts, score reference and wrong answers in a scoring worker.
+
+    Exit 0 when every reference scores >= the success threshold and every wrong answer below it,
+    1 listing every problem, 2 when the environment cannot be loaded or a flag is invalid.
+    """
+
+    model_config = SettingsConfigDict(extra="forbid", cli_kebab_case=True, cli_implicit_flags=True)
+
+    spec: CliPositionalArg[str] = Field(description=EnvRecipeFields.model_fields["spec"].description)
+    n: int = Field(default=8, ge=1, description="Prompts to sample and check.")
+    split: Literal["train", "eval"] = Field(default="train", description="Split to sample from.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)  # plus the command line (from_cli): no env vars, no run-config file
+
+    @classmethod
+    def from_cli(cls, argv: list[str]) -> CheckSettings:
+        """Parse the flags (`--help` is generated from the field descriptions)."""
+        cli: CliSettingsSource[CheckSettings] = CliSettingsSource(
+            cls, cli_prog_name=PROG, cli_kebab_case=True, cli_implicit_flags=True
+        )
+        return cls(_cli_settings_source=cli(args=[_short_flag(arg) for arg in argv]))
+
+
+def _short_flag(arg: str) -> str:
+    """`--n 8` / `--n=8` → `-n …`: pydantic-settings names a one-letter field `-n`, the docs say `--n`."""
+    return "-n" + arg[3:] if arg == "--n" or arg.startswith("--n=") else arg
 
 
 @dataclass
@@ -28,26 +86,6 @@ class CheckReport:
     rows: list[tuple[str, str, str, str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.env check",
-        description="Smoke-test an environment: sample prompts, score reference and wrong answers.",
-    )
-    parser.add_argument("spec", help="arithmetic, gsm8k, reasoning_gym:<task>, pkg.mod:Name or file.py:Name")
-    parser.add_argument("--n", type=int, default=8, help="prompts to sample (default 8)")
-    parser.add_argument("--split", choices=["train", "eval"], default="train", help="split to sample")
-    parser.add_argument(
-        "--env-arg", action="append", default=[], metavar="K=V", help="env option (repeatable)"
-    )
-    parser.add_argument(
-        "--reward-func", action="append", default=[], help="extra reward function (repeatable)"
-    )
-    parser.add_argument("--reward-weight", action="append", type=float, default=[], help="its weight")
-    parser.add_argument("--env-reward-weight", type=float, default=1.0, help="weight of the env's own reward")
-    parser.add_argument("--timeout", type=float, default=30.0, help="scoring timeout per call, seconds")
-    return parser
 
 
 def _short(text: str, width: int = 40) -> str:
@@ -67,18 +105,21 @@ def _key(item: PromptItem) -> tuple[str, str, str]:
     return item.id, _prompt_text(item), item.reference_answer
 
 
-async def run_check(recipe: EnvRecipe, n: int, split: str, score_timeout: float) -> CheckReport:
+async def run_check(recipe: EnvRecipe, n: int, split: SplitName, score_timeout: float) -> CheckReport:
     """Do the checks; raises EnvLoadError when the environment cannot be loaded at all."""
     report = CheckReport()
-    env: Environment = load_environment(recipe)
+    loaded = load_recipe(recipe)
+    env, scorer = loaded.env, loaded.scorer
     await env.setup()
     if split == "eval" and env.split_size("eval") == 0:
         report.problems.append("the environment has no eval split (eval_size = 0)")
         return report
-    prompts = await env.sample(n, split)  # type: ignore[arg-type]
-    again = load_environment(recipe)
+    prompts = (await PromptCursor(env).take(n, split)).prompts
+    if len(prompts) < n:
+        report.warnings.append(f"the {split} split holds {len(prompts)} prompts; checked those, not {n}")
+    again = load_recipe(recipe).env
     await again.setup()
-    second = await again.sample(n, split)  # type: ignore[arg-type]
+    second = (await PromptCursor(again).take(n, split)).prompts
     if [_key(p) for p in second] != [_key(p) for p in prompts]:
         report.problems.append("prompts are not deterministic: two instances with the same seed differ")
     for item in prompts:
@@ -88,8 +129,8 @@ async def run_check(recipe: EnvRecipe, n: int, split: str, score_timeout: float)
     await pool.start()
     try:
         for item in prompts:
-            reference = env.reference_completion(item)
-            wrong = env.wrong_answers(item)
+            reference = scorer.reference_completion(item)
+            wrong = scorer.wrong_answers(item)
             scores = await pool.score(item, [reference, *wrong])
             ref_score, wrong_scores = scores[0], scores[1:]
             status = "ok"
@@ -98,11 +139,11 @@ async def run_check(recipe: EnvRecipe, n: int, split: str, score_timeout: float)
             elif ref_score.failure or ref_score.reward is None:
                 status = "PROBLEM"
                 report.problems.append(f"{item.id}: scoring the reference failed: {ref_score.failure}")
-            elif ref_score.reward < env.success_threshold:
+            elif ref_score.reward < scorer.success_threshold:
                 status = "PROBLEM"
                 report.problems.append(
                     f"{item.id}: reference {reference!r} scored {ref_score.reward:g} "
-                    f"(< success threshold {env.success_threshold:g})"
+                    f"(< success threshold {scorer.success_threshold:g})"
                 )
             for text, score in zip(wrong, wrong_scores, strict=True):
                 if score.failure or score.reward is None:
@@ -110,7 +151,7 @@ async def run_check(recipe: EnvRecipe, n: int, split: str, score_timeout: float)
                     report.problems.append(
                         f"{item.id}: scoring wrong answer {text!r} failed: {score.failure}"
                     )
-                elif score.reward >= env.success_threshold:
+                elif score.reward >= scorer.success_threshold:
                     status = "PROBLEM"
                     report.problems.append(f"{item.id}: wrong answer {text!r} scored {score.reward:g}")
             wrong_cell = ", ".join(_fmt(s) for s in wrong_scores)
@@ -140,24 +181,20 @@ def print_table(report: CheckReport, out: TextIO | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.n < 1:
-        print("error: --n must be >= 1", file=sys.stderr)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        settings = CheckSettings.from_cli(argv)
+    except (ValidationError, SettingsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        recipe = EnvRecipe(
-            spec=args.spec,
-            env_args=parse_env_args(args.env_arg),
-            reward_funcs=tuple(args.reward_func),
-            reward_weights=tuple(args.reward_weight),
-            env_reward_weight=args.env_reward_weight,
-        )
-        report = asyncio.run(run_check(recipe, args.n, args.split, args.timeout))
+        recipe = settings.recipe()
+        report = asyncio.run(run_check(recipe, settings.n, settings.split, settings.score_timeout_seconds))
     except EnvLoadError as exc:
-        print(f"error: cannot load environment {args.spec!r}:\n{exc}", file=sys.stderr)
+        print(f"error: cannot load environment {settings.spec!r}:\n{exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        print(f"error: environment {args.spec!r} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"error: environment {settings.spec!r} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print_table(report)
     for warning in report.warnings:

@@ -1,25 +1,24 @@
-"""Environment service settings (`[env]` table, `GRPO_ENV__*` env vars, `python -m services.env --help`)."""
+"""Environment settings: the recipe fields shared with `check`, and the service's own.
+
+`EnvRecipeFields` says which environment and how it is scored (spec, options, reward functions, seed,
+eval size, scoring deadline); it is defined once and used by both `EnvSettings` (the service: `[env]`
+table, `GRPO_ENV__*` env vars, `python -m services.env --help`) and `check.CheckSettings`
+(`python -m services.env check --help`).
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
 from services.env.loader import EnvRecipe, parse_env_args
 
 
-class EnvSettings(ServiceSettings):
-    """Serve an environment: prompts (SamplePrompts) and isolated scoring (ScoreCompletions).
-
-    Smoke-test an environment before training: python -m services.env check ENV_SPEC [--n 8]
-    [--env-arg k=v ...] (see `python -m services.env check --help`).
-    """
-
-    config_table = "env"
-    model_config = SettingsConfigDict(env_prefix="GRPO_ENV__")
+class EnvRecipeFields(BaseModel):
+    """Which environment, its options and reward functions (an `EnvRecipe`), and its scoring deadline."""
 
     spec: str = Field(
         default="arithmetic",
@@ -34,7 +33,7 @@ class EnvSettings(ServiceSettings):
     env_arg: list[str] = Field(
         default_factory=list,
         description="One environment option as key=value (repeatable; the value is parsed as JSON if it "
-        "is valid JSON); overrides env_args.",
+        "is valid JSON); overrides env_args. Values with commas or JSON objects go in env_args.",
     )
     reward_funcs: list[str] = Field(
         default_factory=list,
@@ -51,15 +50,50 @@ class EnvSettings(ServiceSettings):
     seed: int | None = Field(
         default=None, description="Overrides the env's `seed` option when set (prompt order and generation)."
     )
-    prompt_format: Literal["auto", "text", "chat"] = Field(
-        default="auto",
-        description="auto: as the env gives them; chat: wrap text prompts as one user message; "
-        "text: serve chat prompts as plain 'role: content' text (for models without a chat template).",
+    eval_size: int | None = Field(
+        default=None, ge=0, description="Overrides the env's `eval_size` option when set (held-out prompts)."
     )
     score_timeout_seconds: float = Field(
         default=30.0,
         gt=0,
         description="Deadline of one scoring call (one group); past it the worker is killed.",
+    )
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> EnvRecipeFields:
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"{len(self.reward_weights)} reward_weights for {len(self.reward_funcs)} reward_funcs"
+            )
+        return self
+
+    def recipe(self) -> EnvRecipe:
+        """The environment described (env_arg overrides env_args; seed/eval_size override both)."""
+        common = {"seed": self.seed, "eval_size": self.eval_size}
+        return EnvRecipe(
+            spec=self.spec,
+            env_args={**self.env_args, **parse_env_args(self.env_arg)},
+            common_args={key: value for key, value in common.items() if value is not None},
+            reward_funcs=tuple(self.reward_funcs),
+            reward_weights=tuple(self.reward_weights),
+            env_reward_weight=self.env_reward_weight,
+        )
+
+
+class EnvSettings(EnvRecipeFields, ServiceSettings):
+    """Serve an environment: prompts (SamplePrompts) and isolated scoring (ScoreCompletions).
+
+    Smoke-test an environment before training: python -m services.env check ENV_SPEC [--n 8]
+    [--env-arg k=v ...] (see `python -m services.env check --help`).
+    """
+
+    config_table = "env"
+    model_config = SettingsConfigDict(env_prefix="GRPO_ENV__")
+
+    prompt_format: Literal["auto", "text", "chat"] = Field(
+        default="auto",
+        description="auto: as the env gives them; chat: wrap text prompts as one user message; "
+        "text: serve chat prompts as plain 'role: content' text (for models without a chat template).",
     )
     score_workers: int = Field(default=1, ge=1, le=64, description="Scoring worker processes.")
     worker_startup_timeout_seconds: float = Field(
@@ -88,28 +122,9 @@ class EnvSettings(ServiceSettings):
     reward_max: float | None = Field(
         default=None, description="Rewards above this are failures (default: the env's declared range)."
     )
-    eval_size: int | None = Field(
-        default=None, ge=0, description="Overrides the env's `eval_size` option when set (held-out prompts)."
-    )
 
     @model_validator(mode="after")
-    def _check(self) -> EnvSettings:
-        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
-            raise ValueError(
-                f"{len(self.reward_weights)} reward_weights for {len(self.reward_funcs)} reward_funcs"
-            )
+    def _check_reward_bounds(self) -> EnvSettings:
         if self.reward_min is not None and self.reward_max is not None and self.reward_min > self.reward_max:
             raise ValueError(f"reward_min {self.reward_min} > reward_max {self.reward_max}")
         return self
-
-    def recipe(self) -> EnvRecipe:
-        """The environment described (env_arg overrides env_args; seed/eval_size override both)."""
-        common = {"seed": self.seed, "eval_size": self.eval_size}
-        return EnvRecipe(
-            spec=self.spec,
-            env_args={**self.env_args, **parse_env_args(self.env_arg)},
-            common_args={key: value for key, value in common.items() if value is not None},
-            reward_funcs=tuple(self.reward_funcs),
-            reward_weights=tuple(self.reward_weights),
-            env_reward_weight=self.env_reward_weight,
-        )

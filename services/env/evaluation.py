@@ -41,12 +41,12 @@ def eval_metrics(results: list[GroupResult], success_threshold: float) -> dict[s
     for group in results:
         solved = 0
         for score in group.scores:
-            ok = score.reward is not None and not score.failure
-            if ok:
-                rewards.append(float(score.reward))  # type: ignore[arg-type]
-            else:
+            reward = None if score.failure else score.reward
+            if reward is None:
                 failures += 1
-            hit = ok and float(score.reward) >= success_threshold  # type: ignore[arg-type]
+            else:
+                rewards.append(float(reward))
+            hit = reward is not None and float(reward) >= success_threshold
             solved += hit
             solved_flags.append(hit)
         per_group.append((len(group.scores), solved))

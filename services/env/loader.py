@@ -1,4 +1,4 @@
-"""Turn an environment spec plus options into an `Environment`.
+"""Turn an environment spec plus options into an `Environment` (and its scorer).
 
 Specs:
 * a built-in name: `arithmetic`, `gsm8k`, `reasoning_gym:<task>` (e.g. `reasoning_gym:basic_arithmetic`);
@@ -10,11 +10,13 @@ instance, or a zero-argument factory returning one. Options come from the run co
 `--env-arg key=value` (the value is parsed as JSON when it is valid JSON, else kept as a string); they
 are validated by the environment's own pydantic `Options` model and every problem is reported at once.
 
-Reward functions (`reward_funcs`: built-in names such as `answer_tags`, or import/file paths of
-TRL-style functions) wrap the environment in a `RewardFunctionEnvironment`.
+`load_recipe` builds what the service needs, a `LoadedEnv`: the environment (always the prompt
+source) and its scorer, which is the environment itself or, with reward functions (`reward_funcs`:
+built-in names such as `answer_tags`, or import/file paths of TRL-style functions), a
+`RewardFunctionScorer` around it. `load_environment` builds the environment alone.
 
 `EnvRecipe` is the picklable description of all this: scoring worker processes rebuild the same
-environment from it.
+scorer from it.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from services.common.errors import InvalidArgument
-from services.env.base import Environment
-from services.env.rewards import BUILTIN_REWARDS, RewardFunc, RewardFunctionEnvironment
+from services.env.base import Environment, Scorer
+from services.env.rewards import BUILTIN_REWARDS, RewardFunc, RewardFunctionScorer
 
 
 class EnvLoadError(InvalidArgument):
@@ -54,7 +56,19 @@ class EnvRecipe:
     common_args: dict[str, Any] = field(default_factory=dict)
 
 
-def _builtin(spec: str) -> tuple[type[Environment], dict[str, Any]] | None:
+@dataclass(frozen=True)
+class LoadedEnv:
+    """What a recipe builds: the environment (prompt source, hooks) and what scores its completions."""
+
+    env: Environment[Any]
+    scorer: Scorer  # `env` itself, or a RewardFunctionScorer around it
+
+    def options_dict(self) -> dict[str, Any]:
+        """The resolved options (the env's, plus the reward functions when there are any)."""
+        return self.scorer.options_dict()
+
+
+def _builtin(spec: str) -> tuple[type[Environment[Any]], dict[str, Any]] | None:
     """The class and preset options of a built-in spec, or None if `spec` is not a built-in name."""
     if spec == "arithmetic":
         from services.env.builtins.arithmetic import ArithmeticEnv
@@ -65,14 +79,14 @@ def _builtin(spec: str) -> tuple[type[Environment], dict[str, Any]] | None:
 
         return Gsm8kEnv, {}
     if spec == "reasoning_gym" or spec.startswith("reasoning_gym:"):
-        from services.env.builtins.reasoning_gym_env import ReasoningGymEnv
+        from services.env.builtins.reasoning_gym_env import task_environment
 
         task = spec.partition(":")[2]
         if not task:
             raise EnvLoadError(
                 "reasoning_gym needs a task: use reasoning_gym:<task>, e.g. reasoning_gym:leg_counting"
             )
-        return ReasoningGymEnv, {"task": task}
+        return task_environment(task), {"task": task}
     return None
 
 
@@ -150,7 +164,7 @@ def format_validation_error(env_name: str, model: type[BaseModel], exc: Validati
     return "\n".join(lines)
 
 
-def validate_options(cls: type[Environment], args: dict[str, Any]) -> BaseModel:
+def validate_options(cls: type[Environment[Any]], args: dict[str, Any]) -> BaseModel:
     try:
         return cls.Options.model_validate(args)
     except ValidationError as exc:
@@ -158,8 +172,8 @@ def validate_options(cls: type[Environment], args: dict[str, Any]) -> BaseModel:
 
 
 def _construct(
-    spec: str, cls: type[Environment], args: dict[str, Any], common: dict[str, Any] | None = None
-) -> Environment:
+    spec: str, cls: type[Environment[Any]], args: dict[str, Any], common: dict[str, Any] | None = None
+) -> Environment[Any]:
     known = {key: value for key, value in (common or {}).items() if key in cls.Options.model_fields}
     options = validate_options(cls, {**args, **known})
     try:
@@ -170,7 +184,7 @@ def _construct(
         raise EnvLoadError(f"creating environment {spec!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _instantiate(spec: str, args: dict[str, Any], common: dict[str, Any] | None = None) -> Environment:
+def _instantiate(spec: str, args: dict[str, Any], common: dict[str, Any] | None = None) -> Environment[Any]:
     builtin = _builtin(spec)
     if builtin is not None:
         cls, preset = builtin
@@ -214,16 +228,22 @@ def resolve_reward_func(spec: str) -> RewardFunc:
     return func
 
 
-def load_environment(recipe: EnvRecipe | str, env_args: dict[str, Any] | None = None) -> Environment:
-    """Build the environment a recipe (or a bare spec plus options) describes. Raises EnvLoadError."""
+def load_environment(recipe: EnvRecipe | str, env_args: dict[str, Any] | None = None) -> Environment[Any]:
+    """The environment alone (`load_recipe` adds a recipe's reward functions). Raises EnvLoadError."""
     if isinstance(recipe, str):
         recipe = EnvRecipe(spec=recipe, env_args=dict(env_args or {}))
-    env = _instantiate(recipe.spec, dict(recipe.env_args), recipe.common_args)
+    return _instantiate(recipe.spec, dict(recipe.env_args), recipe.common_args)
+
+
+def load_recipe(recipe: EnvRecipe) -> LoadedEnv:
+    """The environment a recipe describes and its scorer (with the reward functions). Raises EnvLoadError."""
+    env = load_environment(recipe)
     if not recipe.reward_funcs:
-        return env
+        return LoadedEnv(env=env, scorer=env)
     funcs: list[Callable[..., Any]] = [resolve_reward_func(s) for s in recipe.reward_funcs]
     weights = list(recipe.reward_weights) or [1.0] * len(funcs)
     try:
-        return RewardFunctionEnvironment(env, funcs, weights, source_weight=recipe.env_reward_weight)
+        scorer = RewardFunctionScorer(env, funcs, weights, env_weight=recipe.env_reward_weight)
     except ValueError as exc:
         raise EnvLoadError(str(exc)) from None
+    return LoadedEnv(env=env, scorer=scorer)

@@ -1,4 +1,4 @@
-"""Plain reward functions (TRL's convention) and their combination with any prompt source.
+"""Plain reward functions (TRL's convention) and the scorer that adds them to an environment's reward.
 
 A reward function is `f(prompts, completions, **columns) -> list[float | None]`, exactly like TRL's
 `GRPOTrainer(reward_funcs=...)`: `prompts` and `completions` have one entry per completion (the prompt
@@ -8,10 +8,11 @@ metadata keys plus `reference_answer` (and `answer`, unless metadata has one), e
 completion. `None` means "not applicable to this completion"; the weighted sum skips it, and a
 completion no function applies to is a scoring failure.
 
-`RewardFunctionEnvironment` puts a source environment's prompts together with weighted reward
-functions (optionally keeping the source's own reward as one more weighted term). When a built-in
-answer-in-tags format reward (`answer_tags`, `think_answer`) is among them, the source's scorer sees
-the content of the last <answer>...</answer> block (the whole completion if there is none).
+`RewardFunctionScorer` scores an environment's prompts with weighted reward functions, optionally
+keeping the environment's own reward as one more weighted term. It is a scorer only: the prompts
+still come from the environment itself. When a built-in answer-in-tags format reward (`answer_tags`,
+`think_answer`) is among the functions, the environment's scorer sees the content of the last
+<answer>...</answer> block (the whole completion if there is none).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from services.env.base import Environment, GroupResult, PromptItem, Score, SplitName, as_score
+from services.env.base import Environment, PromptItem, Score, as_score
 
 RewardFunc = Callable[..., Sequence[float | None]]
 
@@ -48,6 +49,8 @@ def think_answer(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -
 # Built-in reward functions, addressable by bare name in `reward_funcs`.
 BUILTIN_REWARDS: dict[str, RewardFunc] = {"answer_tags": answer_tags, "think_answer": think_answer}
 _BUILTIN_RANGES: dict[str, tuple[float, float]] = {"answer_tags": (0.0, 1.0), "think_answer": (0.0, 1.0)}
+# Format rewards that ask for the answer in <answer> tags (the env then scores the tag content).
+_TAG_FORMATS = frozenset({"answer_tags", "think_answer"})
 
 
 def extract_answer_tag(text: str) -> str | None:
@@ -118,43 +121,45 @@ def combine(parts: list[tuple[str, float, list[Score]]], n: int) -> list[Score]:
     return combined
 
 
-class RewardFunctionEnvironment(Environment):
-    """Prompts from `source`; reward = Σ weight·f(...) over TRL-style functions (+ its own reward)."""
+class RewardFunctionScorer:
+    """Scores `env`'s prompts with Σ weightᵢ·fᵢ(...) over TRL-style functions, plus env_weight·(env's reward).
+
+    Satisfies `base.Scorer`: the scoring workers and `check` use it in place of the env's own scorer.
+    """
 
     def __init__(
         self,
-        source: Environment,
+        env: Environment[Any],
         funcs: Sequence[RewardFunc],
         weights: Sequence[float] | None = None,
-        source_weight: float = 0.0,
+        env_weight: float = 0.0,
     ) -> None:
         weights = [1.0] * len(funcs) if weights is None else list(weights)
         if len(weights) != len(funcs):
             raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions")
-        if not funcs and source_weight == 0.0:
-            raise ValueError("nothing to score with: no reward functions and source_weight = 0")
-        super().__init__(source.options)
-        self.source = source
+        if not funcs and env_weight == 0.0:
+            raise ValueError("nothing to score with: no reward functions and env_weight = 0")
+        self.env = env
         self.funcs = list(funcs)
         self.weights = [float(w) for w in weights]
-        self.source_weight = float(source_weight)
-        self.name = source.name  # type: ignore[misc]  # the composite keeps its source's name
-        self.description = source.description  # type: ignore[misc]
-        self.success_threshold = self._threshold()  # type: ignore[misc]
-        self.reward_range = self._range()  # type: ignore[misc]
-        self._tagged = any(func_name(f) in ("answer_tags", "think_answer") for f in self.funcs)
+        self.env_weight = float(env_weight)
+        self._names = {func_name(f) for f in self.funcs}
+        self._tagged = bool(self._names & _TAG_FORMATS)
+        self.success_threshold = self._threshold()
+        self.reward_range = self._range()
 
     def _threshold(self) -> float:
-        """Solved = the source's threshold met and every built-in format reward at its maximum."""
-        threshold = self.source_weight * self.source.success_threshold if self.source_weight else 0.0
+        """Solved = the env's threshold met and every built-in format reward at its maximum."""
+        threshold = self.env_weight * self.env.success_threshold if self.env_weight else 0.0
         for func, weight in zip(self.funcs, self.weights, strict=True):
             if func_name(func) in _BUILTIN_RANGES and weight > 0:
                 threshold += weight * _BUILTIN_RANGES[func_name(func)][1]
         return threshold if threshold > 0 else 1.0
 
     def _range(self) -> tuple[float, float]:
+        """The interval the weighted sum can reach (unbounded for user functions, whose range is unknown)."""
         low = high = 0.0
-        terms = [(self.source_weight, self.source.reward_range)] if self.source_weight else []
+        terms = [(self.env_weight, self.env.reward_range)] if self.env_weight else []
         for func, weight in zip(self.funcs, self.weights, strict=True):
             terms.append((weight, _BUILTIN_RANGES.get(func_name(func), (-math.inf, math.inf))))
         for weight, (lo, hi) in terms:
@@ -162,68 +167,46 @@ class RewardFunctionEnvironment(Environment):
             low, high = low + min(a, b), high + max(a, b)
         return low, high
 
-    # Prompt source: delegate to the source environment.
-    async def setup(self) -> None:
-        await self.source.setup()
-
     def setup_scorer(self) -> None:
-        if self.source_weight:
-            self.source.setup_scorer()
+        if self.env_weight:
+            self.env.setup_scorer()
 
     def options_dict(self) -> dict[str, Any]:
         return {
-            **self.source.options_dict(),
+            **self.env.options_dict(),
             "reward_funcs": [func_name(f) for f in self.funcs],
             "reward_weights": self.weights,
-            "env_reward_weight": self.source_weight,
+            "env_reward_weight": self.env_weight,
         }
-
-    def split_size(self, split: SplitName) -> int:
-        return self.source.split_size(split)
-
-    async def sample(self, n: int, split: SplitName = "train", start: int | None = None) -> list[PromptItem]:
-        return await self.source.sample(n, split, start)
-
-    def position(self, split: SplitName) -> int:
-        return self.source.position(split)
-
-    def state(self) -> dict[str, int]:
-        return self.source.state()
-
-    def load_state(self, state: dict[str, int]) -> None:
-        self.source.load_state(state)
 
     async def score(self, prompt: PromptItem, completions: Sequence[str]) -> list[Score | float | None]:
         n = len(completions)
         parts: list[tuple[str, float, list[Score]]] = []
-        if self.source_weight:
-            # With an answer-in-tags format reward, the source scores the last <answer> block's content.
+        if self.env_weight:
+            # With an answer-in-tags format reward, the env scores the last <answer> block's content.
             answers = [extract_answer_tag(c) or c for c in completions] if self._tagged else list(completions)
-            own = [as_score(s) for s in await self.source.score(prompt, answers)]
+            own = [as_score(s) for s in await self.env.score(prompt, answers)]
             if len(own) != n:
-                raise ValueError(f"{self.source.name} scorer returned {len(own)} scores for {n} completions")
-            parts.append((self.source.name, self.source_weight, own))
+                raise ValueError(f"{self.env.name} scorer returned {len(own)} scores for {n} completions")
+            parts.append((self.env.name, self.env_weight, own))
         for func, weight in zip(self.funcs, self.weights, strict=True):
             values = call_reward_func(func, prompt, completions)
             scores = [Score(reward=None) if v is None else as_score(v) for v in values]
             parts.append((func_name(func), weight, scores))
         return list(combine(parts, n))
 
-    def evaluate(self, results: list[GroupResult]) -> dict[str, float]:
-        return self.source.evaluate(results)
-
     def reference_completion(self, prompt: PromptItem) -> str:
-        reference = self.source.reference_completion(prompt)
-        names = {func_name(f) for f in self.funcs}
-        if "<answer>" in reference:  # the source already answers in tags
-            if "think_answer" not in names:
+        """The env's reference, wrapped in the tags the format rewards ask for."""
+        reference = self.env.reference_completion(prompt)
+        if "<answer>" in reference:  # the env already answers in tags
+            if "think_answer" not in self._names:
                 return reference
             reference = extract_answer_tag(reference) or reference
-        if "think_answer" in names:
+        if "think_answer" in self._names:
             return f"<think>Working it out.</think>\n<answer>{reference}</answer>"
-        if "answer_tags" in names:
+        if "answer_tags" in self._names:
             return f"<answer>{reference}</answer>"
         return reference
 
     def wrong_answers(self, prompt: PromptItem) -> list[str]:
-        return self.source.wrong_answers(prompt)
+        return self.env.wrong_answers(prompt)

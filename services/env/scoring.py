@@ -1,9 +1,9 @@
-"""Isolated scoring: a small pool of worker processes, each holding its own copy of the environment.
+"""Isolated scoring: a small pool of worker processes, each holding its own copy of the scorer.
 
 Why processes: reward code is user code. It may be CPU-heavy, block, hang forever or crash the
 interpreter; none of that may touch the service's event loop. Each worker is a `spawn`ed process that
-rebuilds the environment from its `EnvRecipe`, calls `setup_scorer()` once, then serves one
-`score(prompt, completions)` call at a time over a pipe.
+rebuilds the scorer (the environment, or a RewardFunctionScorer around it) from its `EnvRecipe`,
+calls `setup_scorer()` once, then serves one `score(prompt, completions)` call at a time over a pipe.
 
 Per call the parent waits at most `timeout` seconds. A worker that times out or dies is killed through
 its own process handle and replaced; the call's completions become failures ("timeout", "crash").
@@ -28,15 +28,10 @@ from typing import Any
 
 from services.common.errors import ResourceExhausted
 from services.common.logging import get_logger
-from services.env.base import PromptItem, Score, as_score
-from services.env.loader import EnvLoadError, EnvRecipe, load_environment
+from services.env.base import PromptItem, Score, as_score, failure
+from services.env.loader import EnvLoadError, EnvRecipe, load_recipe
 
 log = get_logger(__name__)
-
-
-def failure(kind: str, message: str) -> Score:
-    """A failed score of the given kind (the kind is also what the failure metrics are keyed by)."""
-    return Score(reward=None, failure=f"{kind}: {message}", details={"failure_kind": kind})
 
 
 def validate_scores(raw: Any, n: int, reward_range: tuple[float, float]) -> list[Score]:
@@ -56,14 +51,15 @@ def validate_scores(raw: Any, n: int, reward_range: tuple[float, float]) -> list
     scores: list[Score] = []
     for item in items:
         score = as_score(item)
+        reward = score.reward
         if score.failure:
             score.details.setdefault("failure_kind", "scorer")
-        elif score.reward is None:
+        elif reward is None:
             score = failure("no_reward", "scorer returned no reward")
-        elif not math.isfinite(score.reward):
-            score = failure("non_finite", f"reward {score.reward!r} is not finite")
-        elif not low <= score.reward <= high:
-            score = failure("out_of_range", f"reward {score.reward!r} outside [{low}, {high}]")
+        elif not math.isfinite(reward):
+            score = failure("non_finite", f"reward {reward!r} is not finite")
+        elif not low <= reward <= high:
+            score = failure("out_of_range", f"reward {reward!r} outside [{low}, {high}]")
         scores.append(score)
     return scores
 
@@ -73,12 +69,12 @@ def _worker_main(conn: multiprocessing.connection.Connection, recipe: EnvRecipe)
     # The parent owns this process's lifecycle; a terminal Ctrl-C must not kill it mid-reply.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        env = load_environment(recipe)
-        env.setup_scorer()
+        scorer = load_recipe(recipe).scorer
+        scorer.setup_scorer()
     except BaseException as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", env.reward_range))
+    conn.send(("ready", scorer.reward_range))
     loop = asyncio.new_event_loop()
     while True:
         try:
@@ -89,7 +85,7 @@ def _worker_main(conn: multiprocessing.connection.Connection, recipe: EnvRecipe)
             return
         prompt, completions = message
         try:
-            result = env.score(prompt, completions)
+            result: Any = scorer.score(prompt, completions)
             if inspect.isawaitable(result):
                 result = loop.run_until_complete(result)
             reply: tuple[str, Any] = ("ok", [as_score(s) for s in result])

@@ -1,4 +1,4 @@
-"""gRPC EnvironmentService: translates protos ↔ domain objects and calls EnvService. No logic here."""
+"""gRPC EnvironmentService: translates protos ↔ domain objects and calls `EnvHost`. No logic here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from grpo.common.v1 import types_pb2
 from grpo.env.v1 import env_pb2, env_pb2_grpc
 from services.common.errors import InvalidArgument
 from services.env.base import PromptItem, Score, SplitName
-from services.env.service import EnvService, ScoredGroupOutcome, ScoreJob
+from services.env.host import EnvHost, ScoredGroupOutcome, ScoreJob
 
 _SPLITS: dict[int, SplitName] = {
     env_pb2.SPLIT_UNSPECIFIED: "train",
@@ -59,15 +59,13 @@ def outcome_to_proto(outcome: ScoredGroupOutcome) -> env_pb2.ScoreCompletionsRes
     )
 
 
-def job_from_proto(
-    service: EnvService, request: env_pb2.ScoreCompletionsRequest, where: str = ""
-) -> ScoreJob:
+def job_from_proto(host: EnvHost, request: env_pb2.ScoreCompletionsRequest, where: str = "") -> ScoreJob:
     if not request.HasField("prompt"):
         raise InvalidArgument(f"{where}prompt is required")
-    if not service.env_name_matches(request.prompt.env_name):
+    if not host.env_name_matches(request.prompt.env_name):
         raise InvalidArgument(
             f"{where}prompt {request.prompt.id!r} is from environment {request.prompt.env_name!r}, "
-            f"this service serves {service.name!r}"
+            f"this service serves {host.name!r}"
         )
     return ScoreJob(
         prompt=prompt_from_proto(request.prompt),
@@ -76,16 +74,16 @@ def job_from_proto(
     )
 
 
-def _jobs(service: EnvService, groups: list[env_pb2.ScoreCompletionsRequest]) -> list[ScoreJob]:
-    return [job_from_proto(service, group, f"group {i}: ") for i, group in enumerate(groups)]
+def _jobs(host: EnvHost, groups: list[env_pb2.ScoreCompletionsRequest]) -> list[ScoreJob]:
+    return [job_from_proto(host, group, f"group {i}: ") for i, group in enumerate(groups)]
 
 
 class EnvironmentServicer(env_pb2_grpc.EnvironmentServiceServicer):
-    def __init__(self, service: EnvService) -> None:
-        self.service = service
+    def __init__(self, host: EnvHost) -> None:
+        self.host = host
 
     async def DescribeEnvironment(self, request, context) -> env_pb2.DescribeEnvironmentResponse:
-        d = self.service.describe()
+        d = self.host.describe()
         low, high = d["reward_range"]
         return env_pb2.DescribeEnvironmentResponse(
             name=d["name"],
@@ -105,13 +103,14 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServiceServicer):
         if request.split not in _SPLITS:
             raise InvalidArgument(f"unknown split {request.split}")
         start = request.start if request.HasField("start") else None
-        items, next_position = await self.service.sample(request.n, _SPLITS[request.split], start)
+        draw = await self.host.sample(request.n, _SPLITS[request.split], start)
         return env_pb2.SamplePromptsResponse(
-            prompts=[prompt_to_proto(item, self.service.name) for item in items], next_position=next_position
+            prompts=[prompt_to_proto(item, self.host.name) for item in draw.prompts],
+            next_position=draw.next_position,
         )
 
     async def ScoreCompletions(self, request, context) -> env_pb2.ScoreCompletionsResponse:
-        outcome = await self.service.score(job_from_proto(self.service, request))
+        outcome = await self.host.score(job_from_proto(self.host, request))
         return outcome_to_proto(outcome)
 
     async def ScoreCompletionsStream(
@@ -119,19 +118,19 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServiceServicer):
     ) -> AsyncIterator[env_pb2.ScoreCompletionsStreamResponse]:
         if not request.groups:
             raise InvalidArgument("no groups to score")
-        async for index, outcome in self.service.score_many(_jobs(self.service, list(request.groups))):
+        async for index, outcome in self.host.score_many(_jobs(self.host, list(request.groups))):
             yield env_pb2.ScoreCompletionsStreamResponse(index=index, result=outcome_to_proto(outcome))
 
     async def Evaluate(self, request, context) -> env_pb2.EvaluateResponse:
-        metrics, outcomes = await self.service.evaluate(_jobs(self.service, list(request.groups)))
+        metrics, outcomes = await self.host.evaluate(_jobs(self.host, list(request.groups)))
         response = env_pb2.EvaluateResponse(results=[outcome_to_proto(o) for o in outcomes])
         response.metrics.update(metrics)
         return response
 
     async def GetEnvironmentState(self, request, context) -> env_pb2.GetEnvironmentStateResponse:
-        positions = self.service.positions()
+        positions = self.host.positions()
         response = env_pb2.GetEnvironmentStateResponse(
             train_position=positions["train"], eval_position=positions["eval"]
         )
-        response.metrics.update(self.service.metrics())
+        response.metrics.update(self.host.metrics())
         return response

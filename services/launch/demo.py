@@ -23,10 +23,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from tqdm import tqdm
 
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common.clients import open_channel
-from services.common.tiny_model import DEMO_TASK, build_tiny_model
+from services.common.advantages import LossKind
+from services.common.clients import GrpcClient
 from services.launch.processes import ServiceFailed, ServiceProcess
 from services.launch.report import last_row, plot_reward, read_metrics, summarize
+from services.launch.tiny_model import DEMO_TASK, build_tiny_model
+from services.transports import TransportKind
+from services.transports.registry import ImplementedTransport
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,14 +58,12 @@ class DemoSettings(BaseSettings):
         default="arithmetic", description="Environment spec (built-in name, module:Class, file.py:Class)."
     )
     env_arg: list[str] = Field(default_factory=list, description="Environment option key=value (repeatable).")
-    loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field(
-        default="grpo", description="Objective."
-    )
+    loss: LossKind = Field(default=LossKind.grpo, description="Objective.")
     lr: float = Field(default=4e-4, gt=0, description="Learner learning rate.")
     warmup_steps: int = Field(default=30, ge=0, description="Learner linear LR warmup steps.")
     lora_rank: int = Field(default=0, ge=0, description="LoRA rank; 0 = full fine-tune.")
-    transport: Literal["grpc_stream", "shared_memory"] = Field(
-        default="grpc_stream", description="Weight transport."
+    transport: ImplementedTransport = Field(
+        default=TransportKind.grpc_stream, description="Weight transport (grpc_stream or shared_memory)."
     )
     group_size: int = Field(default=8, ge=2, description="Completions per prompt.")
     groups_per_batch: int = Field(default=16, ge=1, description="Prompt groups per step.")
@@ -88,27 +89,24 @@ def run_config(cfg: DemoSettings, model: str) -> dict:
         "learner": {
             "model": model,
             "dtype": "float32",
-            "loss": cfg.loss,
-            "lr": cfg.lr,
-            "warmup_steps": cfg.warmup_steps,
-            "lora_rank": cfg.lora_rank,
-            "max_completion_len": cfg.max_tokens,
-            "checkpoint_dir": str(run_dir / "checkpoints"),
+            "loss": {"kind": cfg.loss.value, "max_completion_len": cfg.max_tokens},
+            "optim": {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps},
+            "lora": {"rank": cfg.lora_rank},
+            "checkpoint": {"dir": str(run_dir / "checkpoints")},
         },
         "rollout": {
             "model": model,
             "engine": cfg.engine,
             "dtype": "float32",
-            "max_model_len": 512,
-            "kv_cache_space_gib": 1,
             "max_in_flight": cfg.groups_per_batch * (cfg.max_staleness + 1),
+            "vllm": {"kv_cache_space_gib": 1},
         },
         "scheduler": {
             "group_size": cfg.group_size,
             "groups_per_batch": cfg.groups_per_batch,
             "max_steps": cfg.steps,
             "max_staleness": cfg.max_staleness,
-            "weight_transport": cfg.transport,
+            "weight_transport": cfg.transport.value,
             "eval_every": cfg.eval_every,
             "eval_prompts": cfg.eval_prompts,
             "eval_samples": cfg.eval_samples,
@@ -122,14 +120,13 @@ async def follow(
     scheduler_address: str, cfg: DemoSettings, processes: list[ServiceProcess]
 ) -> scheduler_pb2.GetStatusResponse:
     """Poll the scheduler until the run finishes or fails, drawing a progress bar."""
-    channel = open_channel(scheduler_address)
-    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    scheduler = GrpcClient(scheduler_address, scheduler_pb2_grpc.SchedulerServiceStub)
     try:
         with tqdm(total=cfg.steps, desc="training", unit="step") as bar:
             while True:
                 for proc in processes:
                     proc.check_alive()
-                status = await stub.GetStatus(scheduler_pb2.GetStatusRequest(), timeout=10)
+                status = await scheduler.unary("GetStatus", scheduler_pb2.GetStatusRequest(), 10.0)
                 bar.update(status.step - bar.n)
                 row = last_row(cfg.run_dir)
                 if row and "reward_mean" in row:
@@ -138,7 +135,7 @@ async def follow(
                     return status
                 await asyncio.sleep(1.0)
     finally:
-        await channel.close()
+        await scheduler.close()
 
 
 async def run_demo(cfg: DemoSettings) -> int:

@@ -14,13 +14,22 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from grpo.env.v1 import env_pb2
+from grpo.learner.v1 import learner_pb2
+from grpo.rollout.v1 import rollout_pb2
+from grpo.scheduler.v1 import scheduler_pb2
 from services.common.clients import open_channel
+from services.common.serve import service_names
 
+# The health-check name of each service: its readiness (the full service name, from the contract).
 READINESS = {
-    "env": "grpo.env.v1.EnvironmentService",
-    "rollout": "grpo.rollout.v1.RolloutService",
-    "learner": "grpo.learner.v1.LearnerService",
-    "scheduler": "grpo.scheduler.v1.SchedulerService",
+    name: service_names(module)[0]
+    for name, module in (
+        ("env", env_pb2),
+        ("rollout", rollout_pb2),
+        ("learner", learner_pb2),
+        ("scheduler", scheduler_pb2),
+    )
 }
 
 

@@ -1,55 +1,61 @@
-"""Learner settings (`[learner]` table, `GRPO_LEARNER__*` env vars, `python -m services.learner --help`)."""
+"""Learner settings: `[learner]` and its nested tables, `GRPO_LEARNER__*` env vars, `--help`.
+
+Each component's options are one nested model, read directly by the code that uses it (no copies,
+no second defaults):
+
+    [learner]             model, device, dtype, seed, micro-batching        → trainer.py, model.py
+    [learner.loss]        objective and its knobs (--loss.kind dapo)         → losses.py
+    [learner.optim]       AdamW and the LR schedule (--optim.lr 4e-4)        → trainer.py
+    [learner.lora]        LoRA adapters (--lora.rank 8)                      → model.py
+    [learner.publish]     how weight versions are exported and served        → learner.py, publish.py
+    [learner.checkpoint]  atomic checkpoints and resume (--checkpoint.dir)   → trainer.py, checkpoint.py
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.advantages import LossKind
 from services.common.config import ServiceSettings
-from services.learner.losses import LossConfig
-from services.learner.model import LoraOptions
-from services.learner.trainer import OptimOptions, TrainerOptions
+from services.common.weights import CHUNK_BYTES, DEFAULT_BUCKET_BYTES
 
-_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+# Default (clip_eps_low, clip_eps_high) per objective. cispo: lower bound off (1 − 1 = 0), IS weight ≤ 5.
+DEFAULT_EPS: dict[LossKind, tuple[float, float]] = {
+    LossKind.grpo: (0.2, 0.2),
+    LossKind.dr_grpo: (0.2, 0.2),
+    LossKind.dapo: (0.2, 0.28),
+    LossKind.gspo: (3e-4, 4e-4),
+    LossKind.cispo: (1.0, 4.0),
+}
 
 
-class LearnerSettings(ServiceSettings):
-    """Everything the learner needs: model, objective, optimizer, LoRA, checkpoints, publishing."""
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    config_table = "learner"
-    model_config = SettingsConfigDict(env_prefix="GRPO_LEARNER__")
 
-    # model / numerics
-    model: str = Field(default="", description="HF model id or local directory of the policy (required).")
-    device: str = Field(
-        default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'."
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto",
-        description="Compute dtype (autocast); parameters stay fp32. auto = bf16 on GPU, fp32 on CPU.",
-    )
-    seed: int = Field(default=0, description="Seed for torch/python RNGs (LoRA init, dropout).")
-    gradient_checkpointing: bool = Field(default=False, description="Recompute activations in backward.")
-    micro_batch_tokens: int = Field(
-        default=8192, gt=0, description="Padded token budget per micro-batch (rows × longest row)."
-    )
+class LossConfig(_Section):
+    """The objective and its knobs (formulas in losses.py)."""
 
-    # objective
-    loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field(
-        default="grpo",
+    kind: LossKind = Field(
+        default=LossKind.grpo,
         description="Objective: grpo (seq-mean token-mean, symmetric clip), dr_grpo (token sum / "
         "(N·max_completion_len)), dapo (global token mean, clip-higher), gspo (sequence ratio), "
         "cispo (detached clipped IS weight × logprob).",
     )
     clip_eps_low: float | None = Field(
         default=None,
+        ge=0,
         description="Lower clip ε (ratio ≥ 1−ε). Default per loss: 0.2; gspo 3e-4; cispo 1.0 (off).",
     )
     clip_eps_high: float | None = Field(
         default=None,
+        ge=0,
         description="Upper clip ε (ratio ≤ 1+ε). Default per loss: 0.2; dapo 0.28; gspo 4e-4; cispo 4.0.",
     )
     max_completion_len: int = Field(
@@ -67,32 +73,57 @@ class LearnerSettings(ServiceSettings):
         default=0.0, ge=0, description="IcePop: mask tokens with π_θ/μ above this (0 = IcePop off)."
     )
 
-    # optimizer / schedule
+    @model_validator(mode="after")
+    def _check_icepop(self) -> LossConfig:
+        if self.icepop_high and not self.icepop_low < self.icepop_high:
+            raise ValueError("IcePop needs icepop_low < icepop_high")
+        return self
+
+    @property
+    def eps(self) -> tuple[float, float]:
+        """(ε_low, ε_high), the objective's defaults where unset."""
+        low, high = DEFAULT_EPS[self.kind]
+        return (
+            low if self.clip_eps_low is None else self.clip_eps_low,
+            high if self.clip_eps_high is None else self.clip_eps_high,
+        )
+
+
+class OptimConfig(_Section):
+    """AdamW and the learning-rate schedule."""
+
     lr: float = Field(default=1e-6, gt=0, description="AdamW peak learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    adam_beta1: float = Field(default=0.9, description="AdamW β1.")
-    adam_beta2: float = Field(default=0.999, description="AdamW β2.")
-    adam_eps: float = Field(default=1e-8, description="AdamW ε.")
+    beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW β1.")
+    beta2: float = Field(default=0.999, ge=0, lt=1, description="AdamW β2.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW ε.")
     warmup_steps: int = Field(default=0, ge=0, description="Linear LR warmup steps.")
-    lr_schedule: Literal["constant", "cosine"] = Field(default="constant", description="LR after warmup.")
+    schedule: Literal["constant", "cosine"] = Field(default="constant", description="LR after warmup.")
     total_steps: int = Field(default=1000, gt=0, description="Cosine schedule horizon (steps).")
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     max_grad_norm: float = Field(default=1.0, ge=0, description="Gradient clipping norm; 0 = no clipping.")
 
-    # LoRA
-    lora_rank: int = Field(default=0, ge=0, description="LoRA rank; 0 = full fine-tune.")
-    lora_alpha: float = Field(default=16.0, gt=0, description="LoRA α (scale α/r).")
-    lora_dropout: float = Field(default=0.0, ge=0, lt=1, description="LoRA dropout.")
-    lora_target_modules: list[str] = Field(
-        default=list(_DEFAULT_TARGETS), description="Module names LoRA adapts."
+
+class LoraConfig(_Section):
+    """LoRA adapters via peft; rank 0 = full fine-tune."""
+
+    rank: int = Field(default=0, ge=0, description="LoRA rank; 0 = full fine-tune.")
+    alpha: float = Field(default=16.0, gt=0, description="LoRA α (scale α/r).")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: tuple[str, ...] = Field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        description="Module names LoRA adapts.",
     )
 
-    # publishing weights
+
+class PublishConfig(_Section):
+    """How weight versions are exported and handed to rollouts."""
+
     export_format: Literal["full", "adapter"] = Field(
         default="full",
         description="Published weights: full state_dict (LoRA merged) or adapter tensors only.",
     )
-    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    export_dtype: Dtype = Field(
         default="auto", description="dtype of published weights; auto = as trained (fp32 master weights)."
     )
     advertise_address: str = Field(
@@ -103,63 +134,60 @@ class LearnerSettings(ServiceSettings):
     max_prepared_versions: int = Field(
         default=4, gt=0, description="Prepared-but-unreleased weight versions held at once."
     )
-    weight_chunk_bytes: int = Field(
-        default=1 << 20, gt=0, le=1 << 20, description="FetchWeights chunk size (≤ 1 MiB)."
+    chunk_bytes: int = Field(
+        default=CHUNK_BYTES, gt=0, le=CHUNK_BYTES, description="FetchWeights chunk size (≤ 1 MiB)."
+    )
+    bucket_bytes: int = Field(
+        default=DEFAULT_BUCKET_BYTES, gt=0, description="Checksummed bucket size of the packed weights."
     )
 
+
+class CheckpointConfig(_Section):
+    """Atomic checkpoints (also written on SIGTERM) and exact resume."""
+
+    dir: Path | None = Field(default=None, description="Directory for checkpoints; unset = none.")
+    every: int = Field(default=0, ge=0, description="Checkpoint every N steps (0 = only at stop).")
+    keep: int = Field(default=3, ge=1, description="Keep the newest K checkpoints.")
+    resume: bool = Field(default=False, description="Resume from the newest checkpoint in --checkpoint.dir.")
+
+    @model_validator(mode="after")
+    def _resume_needs_dir(self) -> CheckpointConfig:
+        if self.resume and self.dir is None:
+            raise ValueError("checkpoint.resume needs checkpoint.dir")
+        return self
+
+
+class LearnerSettings(ServiceSettings):
+    """Everything the learner needs: model, objective, optimizer, LoRA, publishing, checkpoints."""
+
+    config_table = "learner"
+    model_config = SettingsConfigDict(env_prefix="GRPO_LEARNER__")
+
+    model: str = Field(description="HF model id or local directory of the policy.")
+    device: str = Field(
+        default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="Compute dtype (autocast); parameters stay fp32. auto = bf16 on GPU, fp32 on CPU.",
+    )
+    seed: int = Field(default=0, description="Seed for torch/python RNGs (LoRA init, dropout).")
+    gradient_checkpointing: bool = Field(default=False, description="Recompute activations in backward.")
+    micro_batch_tokens: int = Field(
+        default=8192, gt=0, description="Padded token budget per micro-batch (rows × longest row)."
+    )
     strict_step: bool = Field(
         default=True,
         description="Refuse (FAILED_PRECONDITION) a batch whose `step` is not the learner's current step.",
     )
-
-    # checkpoints
-    checkpoint_dir: Path | None = Field(default=None, description="Directory for checkpoints; unset = none.")
-    checkpoint_every: int = Field(default=0, ge=0, description="Checkpoint every N steps (0 = only at stop).")
-    checkpoint_keep: int = Field(default=3, ge=1, description="Keep the newest K checkpoints.")
-    resume: bool = Field(default=False, description="Resume from the newest checkpoint in --checkpoint-dir.")
-
-    def trainer_options(self) -> TrainerOptions:
-        """The pure-logic view of these settings."""
-        return TrainerOptions(
-            model=self.model,
-            device=self.device,
-            dtype=self.dtype,
-            loss=LossConfig(
-                kind=self.loss,
-                eps_low=self.clip_eps_low,
-                eps_high=self.clip_eps_high,
-                max_completion_len=self.max_completion_len,
-                kl_beta=self.kl_beta,
-                kl_estimator=self.kl_estimator,
-                tis_cap=self.tis_cap,
-                icepop_low=self.icepop_low,
-                icepop_high=self.icepop_high,
-            ),
-            optim=OptimOptions(
-                lr=self.lr,
-                weight_decay=self.weight_decay,
-                beta1=self.adam_beta1,
-                beta2=self.adam_beta2,
-                eps=self.adam_eps,
-                warmup_steps=self.warmup_steps,
-                schedule=self.lr_schedule,
-                total_steps=self.total_steps,
-                min_lr_ratio=self.min_lr_ratio,
-                max_grad_norm=self.max_grad_norm,
-            ),
-            lora=LoraOptions(
-                rank=self.lora_rank,
-                alpha=self.lora_alpha,
-                dropout=self.lora_dropout,
-                target_modules=tuple(self.lora_target_modules),
-            ),
-            micro_batch_tokens=self.micro_batch_tokens,
-            gradient_checkpointing=self.gradient_checkpointing,
-            export_format=self.export_format,
-            export_dtype=self.export_dtype,
-            seed=self.seed,
-            checkpoint_dir=self.checkpoint_dir,
-            checkpoint_every=self.checkpoint_every,
-            checkpoint_keep=self.checkpoint_keep,
-            resume=self.resume,
-        )
+    loss: LossConfig = Field(
+        default_factory=LossConfig, description="Objective ([learner.loss], e.g. --loss.kind dapo)."
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer ([learner.optim]).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA ([learner.lora]).")
+    publish: PublishConfig = Field(
+        default_factory=PublishConfig, description="Weight publishing ([learner.publish])."
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoints ([learner.checkpoint])."
+    )

@@ -43,52 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSSES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-
-# Default (eps_low, eps_high) per objective. cispo: lower bound off (1 − 1 = 0), IS weight capped at 5.
-DEFAULT_EPS: dict[str, tuple[float, float]] = {
-    "grpo": (0.2, 0.2),
-    "dr_grpo": (0.2, 0.2),
-    "dapo": (0.2, 0.28),
-    "gspo": (3e-4, 4e-4),
-    "cispo": (1.0, 4.0),
-}
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Which objective and its knobs. `eps_*` None → DEFAULT_EPS of that objective; 0 caps = off."""
-
-    kind: str = "grpo"
-    eps_low: float | None = None
-    eps_high: float | None = None
-    max_completion_len: int = 1024  # dr_grpo's constant L
-    kl_beta: float = 0.0
-    kl_estimator: str = "k3"
-    tis_cap: float = 0.0  # 0 = truncated IS off
-    icepop_low: float = 0.0  # IcePop is on when icepop_high > 0
-    icepop_high: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in LOSSES:
-            raise ValueError(f"unknown loss {self.kind!r}; choose one of {', '.join(LOSSES)}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; choose one of {KL_ESTIMATORS}")
-        if self.max_completion_len <= 0:
-            raise ValueError("max_completion_len must be positive")
-        if self.icepop_high and not 0 <= self.icepop_low < self.icepop_high:
-            raise ValueError("IcePop needs 0 <= icepop_low < icepop_high")
-        if self.tis_cap < 0 or self.kl_beta < 0:
-            raise ValueError("tis_cap and kl_beta must be >= 0")
-
-    @property
-    def eps(self) -> tuple[float, float]:
-        low, high = DEFAULT_EPS[self.kind]
-        return (
-            low if self.eps_low is None else self.eps_low,
-            high if self.eps_high is None else self.eps_high,
-        )
+from services.learner.config import LossConfig
 
 
 @dataclass(frozen=True)

@@ -9,24 +9,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from services.learner.batching import MicroBatch
+from services.learner.config import LoraConfig
 
 EXPORT_FORMATS = ("full", "adapter")
-
-
-@dataclass(frozen=True)
-class LoraOptions:
-    rank: int = 0  # 0 = full fine-tune
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = field(
-        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    )
 
 
 def resolve_device(device: str) -> torch.device:
@@ -50,7 +40,7 @@ def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager
 
 
 def load_policy(
-    path: str, device: torch.device, lora: LoraOptions, gradient_checkpointing: bool = False
+    path: str, device: torch.device, lora: LoraConfig, gradient_checkpointing: bool = False
 ) -> torch.nn.Module:
     """Load the causal LM in fp32 (master weights), optionally wrapped with a PEFT LoRA adapter."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

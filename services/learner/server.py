@@ -1,22 +1,42 @@
-"""Learner wiring: settings → LearnerApp → the shared server skeleton.
+"""Learner wiring: settings → `Learner` → the shared server skeleton.
 
-    python -m services.learner --model PATH --port 50052 --loss dapo
+    python -m services.learner --model PATH --port 50053 --loss.kind dapo --optim.lr 4e-4
 
-Rollouts fetch weights from the address this learner advertises: `--advertise-address`, or
-host:port as bound (the skeleton sets `app.bound_port` before `start()`, so `--port 0` works).
+Rollouts fetch weights from the address this learner advertises: `--publish.advertise-address`, or
+host:port as bound (the skeleton sets `bound_port` before `start()`, so `--port 0` works).
 """
 
 from __future__ import annotations
 
-import sys
+import grpc
 
-from services.common.serve import run_service
-from services.learner.app import LearnerApp
+from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
+from services.common.serve import run_service, service_names
 from services.learner.config import LearnerSettings
+from services.learner.learner import Learner
+from services.learner.servicer import LearnerServicer
+
+
+class LearnerApp:
+    """ServiceApp adapter: registers the servicer and starts/stops the `Learner`."""
+
+    service_names = service_names(learner_pb2)
+
+    def __init__(self, settings: LearnerSettings) -> None:
+        self.learner = Learner(settings)
+        self.bound_port: int | None = None
+
+    def register(self, server: grpc.aio.Server) -> None:
+        learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(self.learner), server)
+
+    async def start(self) -> None:
+        self.learner.bound_port = self.bound_port
+        await self.learner.start()
+
+    async def stop(self) -> None:
+        await self.learner.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = LearnerSettings.from_cli(argv, prog="python -m services.learner")
-    if not settings.model:
-        sys.exit("error: --model is required (HF model id or local directory)")
     run_service("learner", lambda: LearnerApp(settings), settings)

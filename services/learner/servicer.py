@@ -1,4 +1,8 @@
-"""gRPC LearnerService: translates protos ↔ domain objects and calls LearnerApp. No logic here."""
+"""gRPC LearnerService: translates protos ↔ domain objects and calls `Learner`. No logic here.
+
+`TrainStep` hands the learner a decoder (`samples_from_batch` bound to the request) instead of
+decoded samples: converting every token and logprob is O(tokens) and runs on the model thread.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +10,13 @@ from collections.abc import AsyncIterator
 
 from grpo.common.v1 import types_pb2
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
-from services.common import weights
-from services.common.errors import FailedPrecondition, InvalidArgument
-from services.learner.app import LearnerApp
+from services.common.errors import InvalidArgument
 from services.learner.batching import Sample
-from services.learner.publish import GRPC_STREAM, SHARED_MEMORY
-
-_KINDS = {
-    types_pb2.WEIGHT_TRANSPORT_KIND_GRPC_STREAM: GRPC_STREAM,
-    types_pb2.WEIGHT_TRANSPORT_KIND_SHARED_MEMORY: SHARED_MEMORY,
-}
-_NOT_YET = {
-    types_pb2.WEIGHT_TRANSPORT_KIND_CUDA_IPC: "cuda_ipc",
-    types_pb2.WEIGHT_TRANSPORT_KIND_NCCL: "nccl",
-    types_pb2.WEIGHT_TRANSPORT_KIND_CHECKPOINT: "checkpoint",
-}
+from services.learner.learner import Decoded, Learner
+from services.transports import registry as transports
 
 
-def samples_from_batch(batch: types_pb2.TrainBatch) -> tuple[list[Sample], list[float]]:
+def samples_from_batch(batch: types_pb2.TrainBatch) -> Decoded:
     """Flatten the groups of a TrainBatch into Samples (+ rewards), checking per-group counts."""
     if not batch.groups:
         raise InvalidArgument(f"batch {batch.batch_id!r} has no groups")
@@ -38,19 +31,14 @@ def samples_from_batch(batch: types_pb2.TrainBatch) -> tuple[list[Sample], list[
             raise InvalidArgument(f"{where}: {len(group.advantages)} advantages for {n} completions")
         if group.rewards and len(group.rewards) != n:
             raise InvalidArgument(f"{where}: {len(group.rewards)} rewards for {n} completions")
-        for ci, completion in enumerate(group.completions):
-            if len(completion.logprobs) != len(completion.completion_token_ids):
-                raise InvalidArgument(
-                    f"{where} completion {ci}: {len(completion.logprobs)} logprobs for "
-                    f"{len(completion.completion_token_ids)} completion tokens"
-                )
+        for completion, advantage in zip(group.completions, group.advantages, strict=True):
             temperature = completion.sampling_params.temperature
             samples.append(
                 Sample(
                     prompt_ids=tuple(completion.prompt_token_ids),
                     completion_ids=tuple(completion.completion_token_ids),
                     behav_logprobs=tuple(completion.logprobs),
-                    advantage=float(group.advantages[ci]),
+                    advantage=float(advantage),
                     # vLLM reports unscaled logprobs for greedy (T=0) and unset params mean T=1
                     temperature=float(temperature) if temperature > 0 else 1.0,
                 )
@@ -60,53 +48,42 @@ def samples_from_batch(batch: types_pb2.TrainBatch) -> tuple[list[Sample], list[
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
-    def __init__(self, app: LearnerApp) -> None:
-        self.app = app
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
 
     async def TrainStep(self, request, context) -> learner_pb2.TrainStepResponse:
-        samples, rewards = samples_from_batch(request.batch)
-        outcome = await self.app.train_step(samples, request.batch.batch_id, request.batch.step, rewards)
+        batch = request.batch
+        outcome = await self.learner.train_step(lambda: samples_from_batch(batch), batch.batch_id, batch.step)
         result = types_pb2.StepResult(step=outcome.step, weight_version=outcome.weight_version)
         result.metrics.update(outcome.metrics)
         return learner_pb2.TrainStepResponse(result=result)
 
     async def PrepareWeights(self, request, context) -> learner_pb2.PrepareWeightsResponse:
-        kind = request.transport
-        if kind in _NOT_YET:
-            raise FailedPrecondition(f"weight transport {_NOT_YET[kind]} is not implemented yet")
-        if kind not in _KINDS:
-            raise InvalidArgument(
-                f"unsupported weight transport kind {kind} (use GRPC_STREAM or SHARED_MEMORY)"
-            )
-        item, prepare_ms = await self.app.prepare_weights(_KINDS[kind])
-        wv = types_pb2.WeightVersion(version=item.version, parent_version=item.version - 1)
-        weights.manifest_to_proto(item.manifest, wv)
-        if item.kind == GRPC_STREAM:
-            wv.grpc_stream.address = self.app.advertise_address()
-            wv.grpc_stream.chunk_bytes = self.app.settings.weight_chunk_bytes
-        else:
-            wv.shared_memory.segment_name = item.segment_name
-            wv.shared_memory.size = item.manifest.total_bytes
-        return learner_pb2.PrepareWeightsResponse(weight_version=wv, prepare_ms=prepare_ms)
+        prepared, prepare_ms = await self.learner.prepare_weights(
+            transports.kind_from_proto(request.transport)
+        )
+        return learner_pb2.PrepareWeightsResponse(
+            weight_version=transports.describe(prepared), prepare_ms=prepare_ms
+        )
 
     async def FetchWeights(self, request, context) -> AsyncIterator[learner_pb2.FetchWeightsResponse]:
-        async for bucket, offset, data in self.app.fetch_chunks(request.version, list(request.buckets)):
+        async for bucket, offset, data in self.learner.fetch_chunks(request.version, list(request.buckets)):
             chunk = types_pb2.WeightChunk(version=request.version, bucket=bucket, offset=offset, data=data)
             yield learner_pb2.FetchWeightsResponse(chunk=chunk)
 
     async def ReleaseWeights(self, request, context) -> learner_pb2.ReleaseWeightsResponse:
-        await self.app.release_weights(request.version)
+        await self.learner.release_weights(request.version)
         return learner_pb2.ReleaseWeightsResponse()
 
     async def ScoreTokens(self, request, context) -> learner_pb2.ScoreTokensResponse:
         seq = request.sequence
-        logprobs, version = await self.app.score(
+        logprobs, version = await self.learner.score(
             list(seq.prompt_token_ids), list(seq.completion_token_ids), seq.temperature
         )
         return learner_pb2.ScoreTokensResponse(logprobs=logprobs, weight_version=version)
 
     async def GetLearnerState(self, request, context) -> learner_pb2.GetLearnerStateResponse:
-        s = self.app.state()
+        s = self.learner.state()
         return learner_pb2.GetLearnerStateResponse(
             weight_version=s.weight_version,
             step=s.step,

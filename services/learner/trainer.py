@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,9 +22,9 @@ import torch
 from services.common.logging import get_logger
 from services.learner import checkpoint as ckpt
 from services.learner.batching import MicroBatch, Sample, collate, global_norm, micro_batches
-from services.learner.losses import LossConfig, LossStats, policy_loss
+from services.learner.config import LearnerSettings, OptimConfig
+from services.learner.losses import LossStats, policy_loss
 from services.learner.model import (
-    LoraOptions,
     autocast,
     export_state,
     is_lora,
@@ -40,43 +40,8 @@ from services.learner.model import (
 
 log = get_logger(__name__)
 
-SCHEDULES = ("constant", "cosine")
 
-
-@dataclass(frozen=True)
-class OptimOptions:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    total_steps: int = 1000  # cosine horizon
-    min_lr_ratio: float = 0.0
-    max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still reported)
-
-
-@dataclass(frozen=True)
-class TrainerOptions:
-    model: str
-    device: str = "auto"
-    dtype: str = "auto"
-    loss: LossConfig = field(default_factory=LossConfig)
-    optim: OptimOptions = field(default_factory=OptimOptions)
-    lora: LoraOptions = field(default_factory=LoraOptions)
-    micro_batch_tokens: int = 8192
-    gradient_checkpointing: bool = False
-    export_format: str = "full"
-    export_dtype: str = "auto"
-    seed: int = 0
-    checkpoint_dir: Path | None = None
-    checkpoint_every: int = 0
-    checkpoint_keep: int = 3
-    resume: bool = False
-
-
-def lr_factor(step: int, optim: OptimOptions) -> float:
+def lr_factor(step: int, optim: OptimConfig) -> float:
     """Multiplier of the base LR at optimizer step `step` (0-based): linear warmup, then constant/cosine."""
     if optim.warmup_steps > 0 and step < optim.warmup_steps:
         return (step + 1) / optim.warmup_steps
@@ -97,25 +62,24 @@ class StepOutcome:
 class Trainer:
     """Owns the model, optimizer, LR schedule and weight version."""
 
-    def __init__(self, opts: TrainerOptions) -> None:
-        if opts.optim.schedule not in SCHEDULES:
-            raise ValueError(f"unknown LR schedule {opts.optim.schedule!r}")
-        self.opts = opts
-        self.loss_cfg = opts.loss
-        torch.manual_seed(opts.seed)
-        random.seed(opts.seed)
-        self.device = resolve_device(opts.device)
-        self.compute_dtype = resolve_compute_dtype(opts.dtype, self.device)
-        self.export_dtype = None if opts.export_dtype == "auto" else getattr(torch, opts.export_dtype)
-        self.model = load_policy(opts.model, self.device, opts.lora, opts.gradient_checkpointing)
+    def __init__(self, settings: LearnerSettings) -> None:
+        self.settings = settings
+        self.loss_cfg = settings.loss
+        torch.manual_seed(settings.seed)
+        random.seed(settings.seed)
+        self.device = resolve_device(settings.device)
+        self.compute_dtype = resolve_compute_dtype(settings.dtype, self.device)
+        export_dtype = settings.publish.export_dtype
+        self.export_dtype = None if export_dtype == "auto" else getattr(torch, export_dtype)
+        self.model = load_policy(settings.model, self.device, settings.lora, settings.gradient_checkpointing)
         self.model.eval()
         self.vocab_size = vocab_size(self.model)
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.ref_model = None
-        if opts.loss.kl_beta > 0 and not is_lora(self.model):
-            self.ref_model = load_reference(opts.model, self.device)  # LoRA: the base with adapters off
+        if settings.loss.kl_beta > 0 and not is_lora(self.model):
+            self.ref_model = load_reference(settings.model, self.device)  # LoRA: the base with adapters off
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        o = opts.optim
+        o = settings.optim
         self.optimizer = torch.optim.AdamW(
             self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         )
@@ -125,7 +89,7 @@ class Trainer:
         self.last_batch_id = ""
         self.last_outcome: StepOutcome | None = None
         self._saved_step = 0  # step 0 is the model as loaded: nothing to checkpoint
-        if opts.resume:
+        if settings.checkpoint.resume:
             self._resume()
 
     # ------------------------------------------------------------------ training
@@ -141,7 +105,7 @@ class Trainer:
         norm = global_norm(samples)
         stats = LossStats()
         loss_total, entropy_sum = 0.0, 0.0
-        mbs = micro_batches(samples, token_budget or self.opts.micro_batch_tokens)
+        mbs = micro_batches(samples, token_budget or self.settings.micro_batch_tokens)
         self.model.train()
         try:
             for mb in mbs:
@@ -172,7 +136,8 @@ class Trainer:
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss_metrics = self.accumulate_gradients(samples)
-        max_norm = self.opts.optim.max_grad_norm if self.opts.optim.max_grad_norm > 0 else float("inf")
+        clip = self.settings.optim.max_grad_norm
+        max_norm = clip if clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(grad_norm)
@@ -200,11 +165,8 @@ class Trainer:
         if rewards:
             metrics["reward_mean"] = sum(rewards) / len(rewards)
         self.last_outcome = StepOutcome(self.step, self.weight_version, metrics)
-        if (
-            self.opts.checkpoint_dir
-            and self.opts.checkpoint_every > 0
-            and self.step % self.opts.checkpoint_every == 0
-        ):
+        every = self.settings.checkpoint.every
+        if self.settings.checkpoint.dir and every > 0 and self.step % every == 0:
             self.save_checkpoint()
         return self.last_outcome
 
@@ -231,37 +193,38 @@ class Trainer:
 
     def export(self) -> dict[str, torch.Tensor]:
         """A CPU snapshot of the weights to publish (see model.export_state)."""
-        return export_state(self.model, self.opts.export_format, self.export_dtype)
+        return export_state(self.model, self.settings.publish.export_format, self.export_dtype)
 
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path | None:
         """Atomic checkpoint of the current state, unless this step is already saved."""
-        if self.opts.checkpoint_dir is None or self._saved_step == self.step:
+        cfg = self.settings.checkpoint
+        if cfg.dir is None or self._saved_step == self.step:
             return None
         state = ckpt.TrainerState(
-            self.weight_version, self.step, self.last_batch_id, self.loss_cfg.kind, self.opts.model
+            self.weight_version, self.step, self.last_batch_id, self.loss_cfg.kind, self.settings.model
         )
         path = ckpt.save_checkpoint(
-            self.opts.checkpoint_dir,
+            cfg.dir,
             state,
             trainable_state(self.model),
             self.optimizer.state_dict(),
             self.scheduler.state_dict(),
-            self.opts.checkpoint_keep,
+            cfg.keep,
         )
         self._saved_step = self.step
         log.info("checkpoint saved", path=str(path), step=self.step)
         return path
 
     def _resume(self) -> None:
-        if self.opts.checkpoint_dir is None:
-            raise ValueError("resume needs a checkpoint directory")
-        loaded = ckpt.load_latest(self.opts.checkpoint_dir)
+        root = self.settings.checkpoint.dir
+        assert root is not None  # CheckpointConfig refuses resume without a directory
+        loaded = ckpt.load_latest(root)
         if loaded is None:
-            log.info("no checkpoint to resume from; starting fresh", dir=str(self.opts.checkpoint_dir))
+            log.info("no checkpoint to resume from; starting fresh", dir=str(root))
             return
-        if loaded.state.loss != self.loss_cfg.kind or loaded.state.model != self.opts.model:
+        if loaded.state.loss != self.loss_cfg.kind or loaded.state.model != self.settings.model:
             log.warning("resuming with a different loss/model", checkpoint=loaded.state.__dict__)
         load_trainable_state(self.model, loaded.params)
         self.optimizer.load_state_dict(loaded.optimizer)

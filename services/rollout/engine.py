@@ -2,7 +2,9 @@
 
 The service logic (`rollout.py`) only talks to a `RolloutEngine`; it owns tokenization, admission
 control, validation and weight staging. Engines own sampling, behaviour logprobs, version stamping
-and in-place weight loads. All values crossing this seam are plain Python (no protos, no vLLM types).
+and in-place weight loads. All values crossing this seam are plain Python (no protos, no vLLM types);
+a staged weight version arrives as a transport's `LoadPlan`, opened where the engine loads
+(`services.transports.registry.open_tensors`), so engines know no transport.
 
 Logprob convention (shared with the learner): the behaviour logprob of a sampled token is the
 "processed" logprob log_softmax(logits / temperature)[token] (after top-k/top-p truncation and
@@ -16,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from services.common.weights import Manifest
+from services.transports import LoadPlan
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -90,8 +93,8 @@ class RolloutEngine(abc.ABC):
         """log_softmax(logits / temperature) of each completion token under the current weights."""
 
     @abc.abstractmethod
-    async def load_weights(self, manifest: Manifest, segment_name: str, version: int) -> LoadTimings:
-        """Load a full state_dict from shared-memory segment `segment_name` (laid out per `manifest`).
+    async def load_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> LoadTimings:
+        """Load a full state_dict, laid out per `manifest`, from a staged version's `plan`.
 
         Pauses generation (unfinished requests keep their place), loads in place, resets the
         prefix cache, stamps subsequent tokens with `version` and resumes.
@@ -105,6 +108,11 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def weight_version(self) -> int:
         """The version tokens are currently stamped with."""
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int:
+        """Context length in tokens (prompt + completion) the loaded model accepts."""
 
     @abc.abstractmethod
     async def stop(self) -> None:

@@ -10,7 +10,6 @@ log_softmax of logits / T after top-k / top-p truncation, matching vLLM's proces
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,8 @@ import torch
 
 from services.common.errors import FailedPrecondition, ResourceExhausted
 from services.common.logging import get_logger
-from services.common.weights import Manifest, attach_segment, iter_tensors
+from services.common.weights import Manifest
+from services.rollout.config import RolloutSettings
 from services.rollout.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -31,23 +31,11 @@ from services.rollout.engine import (
     Sampling,
     VersionSpan,
 )
+from services.transports import LoadPlan
+from services.transports.registry import open_tensors
 
 log = get_logger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class HfOptions:
-    model: str
-    tokenizer: str = ""
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"
-    max_model_len: int = 2048
-    max_batch_size: int = 32
-    max_queued: int = 1024
-    seed: int = 0
-    trust_remote_code: bool = False
-    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
 
 
 @dataclass
@@ -93,32 +81,40 @@ class HfEngine(RolloutEngine):
 
     name = "transformers"
 
-    def __init__(self, options: HfOptions) -> None:
-        self._options = options
+    def __init__(self, settings: RolloutSettings) -> None:
+        self._settings = settings
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
-        self._queue: asyncio.Queue[_Row] = asyncio.Queue(maxsize=options.max_queued)
+        # samples waiting for a batch: every request in flight may queue its n samples (n ≤ 8 typical)
+        self._queue: asyncio.Queue[_Row] = asyncio.Queue(maxsize=max(1024, settings.max_in_flight * 8))
         self._model: Any = None
         self._tokenizer: Any = None
         self._eos: set[int] = set()
         self._version = 0
-        self._generator = torch.Generator().manual_seed(options.seed)
+        self._max_model_len = settings.max_model_len
+        self._generator = torch.Generator().manual_seed(settings.seed)
         self._batcher: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        opts = self._options
-        if opts.num_threads > 0:
-            torch.set_num_threads(opts.num_threads)
-        device = opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = _DTYPES.get(opts.dtype) or (torch.bfloat16 if device == "cuda" else torch.float32)
+        settings, hf = self._settings, self._settings.hf
+        if hf.num_threads > 0:
+            torch.set_num_threads(hf.num_threads)
+        device = hf.device if hf.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = _DTYPES.get(settings.dtype) or (torch.bfloat16 if device == "cuda" else torch.float32)
         model = AutoModelForCausalLM.from_pretrained(
-            opts.model, dtype=dtype, trust_remote_code=opts.trust_remote_code
+            settings.model, dtype=dtype, trust_remote_code=settings.trust_remote_code
         )
         self._model = model.to(device).eval()
+        limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        if settings.max_model_len and limit and settings.max_model_len > limit:
+            raise FailedPrecondition(
+                f"max_model_len {settings.max_model_len} exceeds the model's {limit} positions"
+            )
+        self._max_model_len = settings.max_model_len or limit
         self._tokenizer = AutoTokenizer.from_pretrained(
-            opts.tokenizer or opts.model, trust_remote_code=opts.trust_remote_code
+            settings.tokenizer or settings.model, trust_remote_code=settings.trust_remote_code
         )
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else self._tokenizer.eos_token_id
@@ -130,7 +126,8 @@ class HfEngine(RolloutEngine):
         self._batcher = asyncio.create_task(self._run_batches(), name="hf-batcher")
         log.info(
             "transformers engine started",
-            model=self._options.model,
+            model=self._settings.model,
+            max_model_len=self._max_model_len,
             start_s=round(time.perf_counter() - started, 2),
         )
 
@@ -168,7 +165,7 @@ class HfEngine(RolloutEngine):
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
-            while len(batch) < self._options.max_batch_size and not self._queue.empty():
+            while len(batch) < self._settings.hf.max_batch_size and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             batch = [row for row in batch if not row.finish]
             if not batch:
@@ -195,7 +192,7 @@ class HfEngine(RolloutEngine):
     def _check_stop(self, row: _Row) -> bool:
         """Finish `row` on EOS / stop string / length; sets finish reason and text."""
         token = row.tokens[-1]
-        limit = min(row.sampling.max_tokens, self._options.max_model_len - len(row.prompt))
+        limit = min(row.sampling.max_tokens, self._max_model_len - len(row.prompt))
         if token in self._eos:
             row.finish = FINISH_STOP
         elif row.sampling.stop:
@@ -274,7 +271,7 @@ class HfEngine(RolloutEngine):
             self._executor, self._score, list(prompt_token_ids), list(completion_token_ids), temperature
         )
 
-    def _load_from_segment(self, manifest: Manifest, segment_name: str, version: int) -> float:
+    def _swap_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> float:
         started = time.perf_counter()
         expected = set(self._model.state_dict())
         names = {t.name for t in manifest.tensors}
@@ -283,23 +280,15 @@ class HfEngine(RolloutEngine):
                 f"weights v{version} do not match the model: missing {sorted(expected - names)[:5]}, "
                 f"unexpected {sorted(names - expected)[:5]}"
             )
-        segment = attach_segment(segment_name)
-        try:
-            state = dict(iter_tensors(segment.buf, manifest.tensors))
-            self._model.load_state_dict(state, strict=True)
-            del state
-            self._version = version
-        finally:
-            gc.collect()
-            segment.close()
+        with open_tensors(plan, list(manifest.tensors)) as tensors:
+            self._model.load_state_dict(dict(tensors), strict=True)
+        self._version = version
         return (time.perf_counter() - started) * 1e3
 
-    async def load_weights(self, manifest: Manifest, segment_name: str, version: int) -> LoadTimings:
+    async def load_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> LoadTimings:
         requested = time.perf_counter()
         loop = asyncio.get_running_loop()
-        load_ms = await loop.run_in_executor(
-            self._executor, self._load_from_segment, manifest, segment_name, version
-        )
+        load_ms = await loop.run_in_executor(self._executor, self._swap_weights, plan, manifest, version)
         return LoadTimings(pause_ms=(time.perf_counter() - requested) * 1e3, load_ms=load_ms)
 
     async def set_weight_version(self, version: int) -> None:
@@ -308,3 +297,7 @@ class HfEngine(RolloutEngine):
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len

@@ -20,6 +20,7 @@ from services.common.errors import Aborted, InvalidArgument, ResourceExhausted, 
 from services.common.logging import get_logger
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import FinishedCompletion, LoadTimings, RolloutEngine, Sampling
+from services.rollout.hf_engine import HfEngine
 from services.rollout.validation import (
     PromptInput,
     normalize_sampling,
@@ -27,7 +28,9 @@ from services.rollout.validation import (
     validate_sampling,
     validate_score_request,
 )
-from services.rollout.weight_sync import StagedWeights, StageTarget, WeightStager
+from services.rollout.vllm_engine import VllmEngine
+from services.rollout.weight_sync import WeightStager
+from services.transports import Staged, StageTarget
 
 log = get_logger(__name__)
 
@@ -78,51 +81,13 @@ def build_engine(settings: RolloutSettings) -> RolloutEngine:
     kind = settings.engine
     if kind == "auto":
         kind = "vllm" if vllm_available() else "transformers"
-    if kind == "vllm":
-        from services.rollout.vllm_engine import VllmEngine, VllmOptions
-
-        return VllmEngine(
-            VllmOptions(
-                model=settings.model,
-                tokenizer=settings.tokenizer,
-                dtype=settings.dtype,
-                max_model_len=settings.max_model_len,
-                gpu_memory_utilization=settings.gpu_memory_utilization,
-                kv_cache_space_gib=settings.kv_cache_space_gib,
-                seed=settings.seed,
-                enforce_eager=settings.enforce_eager,
-                enable_prefix_caching=settings.enable_prefix_caching,
-                max_num_seqs=settings.max_num_seqs,
-                tensor_parallel_size=settings.tensor_parallel_size,
-                trust_remote_code=settings.trust_remote_code,
-                pause_mode=settings.pause_mode,
-                load_timeout_s=settings.load_timeout_s,
-            )
-        )
-    from services.rollout.hf_engine import HfEngine, HfOptions
-
-    return HfEngine(
-        HfOptions(
-            model=settings.model,
-            tokenizer=settings.tokenizer,
-            dtype=settings.dtype,
-            device=settings.hf_device,
-            max_model_len=settings.max_model_len,
-            max_batch_size=settings.hf_max_batch_size,
-            max_queued=max(1024, settings.max_in_flight * 8),
-            seed=settings.seed,
-            trust_remote_code=settings.trust_remote_code,
-            num_threads=settings.hf_num_threads,
-        )
-    )
+    return VllmEngine(settings) if kind == "vllm" else HfEngine(settings)
 
 
 class Rollout:
     """A rollout worker: one engine, one tokenizer, one staged-weights slot."""
 
     def __init__(self, settings: RolloutSettings, engine: RolloutEngine | None = None) -> None:
-        if not settings.model:
-            raise InvalidArgument("rollout needs --model (a model directory or Hugging Face id)")
         self.settings = settings
         self.rollout_id = settings.rollout_id or f"{socket.gethostname()}-{os.getpid()}"
         self._engine = engine or build_engine(settings)
@@ -141,7 +106,7 @@ class Rollout:
 
     # ------------------------------------------------------------------ lifecycle
     def _load_tokenizer(self) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer  # heavy: imported on the tokenizer thread
 
         source = self.settings.tokenizer or self.settings.model
         self._tokenizer = AutoTokenizer.from_pretrained(
@@ -186,10 +151,10 @@ class Rollout:
         ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._tokenize, prompt)
         if not ids:
             raise InvalidArgument(f"prompt {prompt.prompt_id!r} tokenizes to zero tokens")
-        if len(ids) >= self.settings.max_model_len:
+        if len(ids) >= self._engine.max_model_len:
             raise InvalidArgument(
                 f"prompt {prompt.prompt_id!r} has {len(ids)} tokens; "
-                f"max_model_len is {self.settings.max_model_len}"
+                f"max_model_len is {self._engine.max_model_len}"
             )
         return ids
 
@@ -227,18 +192,18 @@ class Rollout:
         self, prompt_ids: list[int], completion_ids: list[int], temperature: float
     ) -> tuple[list[float], int]:
         """Processed logprobs of the completion tokens and the version they were computed with."""
-        validate_score_request(
-            prompt_ids, completion_ids, temperature, self._vocab_size, self.settings.max_model_len
-        )
         if self._status == Status.LOADING:
             raise Unavailable(f"rollout {self.rollout_id} is still loading")
+        validate_score_request(
+            prompt_ids, completion_ids, temperature, self._vocab_size, self._engine.max_model_len
+        )
         async with self._commit_lock:  # never straddle a weight update
             version = self._engine.weight_version
             logprobs = await self._engine.score_tokens(prompt_ids, completion_ids, temperature)
         return logprobs, version
 
     # ------------------------------------------------------------------ weights
-    async def stage_weights(self, target: StageTarget) -> StagedWeights:
+    async def stage_weights(self, target: StageTarget) -> Staged:
         return await self._stager.stage(target, self._engine.weight_version)
 
     async def commit_weights(self, version: int) -> CommitResult:
@@ -252,7 +217,7 @@ class Rollout:
             staged = await self._stager.take(version)
             previous, self._status = self._status, Status.UPDATING
             try:
-                timings = await self._engine.load_weights(staged.manifest, staged.segment_name, version)
+                timings = await self._engine.load_weights(staged.plan, staged.manifest, version)
             except BaseException:
                 await self._stager.put_back(staged)  # a retried CommitWeights can load it again
                 raise

@@ -1,34 +1,30 @@
-"""Rollout service wiring: settings → RolloutApp → the shared server skeleton.
+"""Rollout service wiring: settings → `Rollout` → the shared server skeleton.
 
 python -m services.rollout --port 50052 --model ./model --engine vllm --dtype float32
 """
 
 from __future__ import annotations
 
-import sys
-
 import grpc
 
-from grpo.rollout.v1 import rollout_pb2_grpc
-from services.common.serve import run_service
+from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from services.common.serve import run_service, service_names
 from services.rollout.config import RolloutSettings
 from services.rollout.rollout import Rollout
-
-SERVICE_NAME = "grpo.rollout.v1.RolloutService"
+from services.rollout.servicer import RolloutServicer
 
 
 class RolloutApp:
-    """ServiceApp for a rollout worker. The engine is created in `start()`, inside the running loop."""
+    """ServiceApp adapter: registers the servicer and starts/stops the `Rollout` (its engine is
+    created in `start()`, inside the running loop)."""
 
-    service_names = (SERVICE_NAME,)
+    service_names = service_names(rollout_pb2)
 
     def __init__(self, settings: RolloutSettings) -> None:
-        self.settings = settings
         self.rollout = Rollout(settings)
+        self.bound_port: int | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
-        from services.rollout.servicer import RolloutServicer
-
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(self.rollout), server)
 
     async def start(self) -> None:
@@ -39,6 +35,5 @@ class RolloutApp:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
     settings = RolloutSettings.from_cli(argv, prog="python -m services.rollout")
     run_service("rollout", lambda: RolloutApp(settings), settings)

@@ -8,12 +8,10 @@ import grpc
 
 from grpo.common.v1 import types_pb2
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from services.common.errors import InvalidArgument
-from services.common.weights import manifest_from_proto
 from services.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Sampling
 from services.rollout.rollout import Generated, Rollout, Status
 from services.rollout.validation import PromptInput
-from services.rollout.weight_sync import GrpcStreamSource, SharedMemorySource, StageTarget, UnsupportedSource
+from services.transports import registry as transports
 
 _FINISH = {
     FINISH_STOP: types_pb2.FINISH_REASON_STOP,
@@ -79,25 +77,6 @@ def completion_to_proto(generated: Generated, rollout_id: str) -> types_pb2.Comp
     )
 
 
-def stage_target_from_proto(message: types_pb2.WeightVersion) -> StageTarget:
-    """Manifest + transport of a WeightVersion (InvalidArgument when malformed)."""
-    manifest = manifest_from_proto(message)
-    kind = message.WhichOneof("transport")
-    if kind == "grpc_stream":
-        if not message.grpc_stream.address:
-            raise InvalidArgument("weight_version.grpc_stream.address is empty")
-        source = GrpcStreamSource(message.grpc_stream.address)
-    elif kind == "shared_memory":
-        if not message.shared_memory.segment_name:
-            raise InvalidArgument("weight_version.shared_memory.segment_name is empty")
-        source = SharedMemorySource(message.shared_memory.segment_name, message.shared_memory.size)
-    elif kind is None:
-        raise InvalidArgument("weight_version has no transport set")
-    else:
-        source = UnsupportedSource(kind)
-    return StageTarget(version=message.version, manifest=manifest, source=source)
-
-
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, rollout: Rollout) -> None:
         self._rollout = rollout
@@ -114,7 +93,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def StageWeights(
         self, request: rollout_pb2.StageWeightsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.StageWeightsResponse:
-        staged = await self._rollout.stage_weights(stage_target_from_proto(request.weight_version))
+        staged = await self._rollout.stage_weights(transports.target_from_proto(request.weight_version))
         return rollout_pb2.StageWeightsResponse(
             version=staged.version, bytes=staged.manifest.total_bytes, fetch_ms=staged.fetch_ms
         )

@@ -1,4 +1,4 @@
-"""Pure request checks and weight-version span helpers of the rollout service (no I/O, no engine).
+"""Pure request checks of the rollout service (no I/O, no engine).
 
 Validation raises `InvalidArgument` with a message naming the offending field, so a scheduler bug
 is reported as the caller's fault and never retried unchanged.
@@ -6,11 +6,11 @@ is reported as the caller's fault and never retried unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
-from services.rollout.engine import Sampling, VersionSpan
+from services.rollout.engine import Sampling
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -102,43 +102,3 @@ def validate_score_request(
         raise InvalidArgument(f"sequence has {total} tokens; it must be shorter than max_model_len {max_len}")
     validate_token_ids(prompt_ids, vocab_size, "sequence.prompt_token_ids")
     validate_token_ids(completion_ids, vocab_size, "sequence.completion_token_ids")
-
-
-def spans_from_labels(
-    labels: Iterable[tuple[str, int, int]] | None, num_tokens: int, fallback_version: int
-) -> tuple[VersionSpan, ...]:
-    """Integer version spans from engine labels (version string, start, end), checked to cover exactly.
-
-    Adjacent spans with the same version merge. `labels` None (the engine reported no label) means
-    the whole completion is attributed to `fallback_version`. Raises ValueError if the labels do not
-    tile [0, num_tokens) or a label is not an integer version.
-    """
-    if labels is None:
-        return (VersionSpan(fallback_version, 0, num_tokens),) if num_tokens else ()
-    spans: list[VersionSpan] = []
-    for label, start, end in labels:
-        if end <= start:
-            continue
-        try:
-            version = int(label)
-        except ValueError as exc:
-            raise ValueError(f"weight version label {label!r} is not an integer") from exc
-        if spans and spans[-1].version == version and spans[-1].end == start:
-            spans[-1] = VersionSpan(version, spans[-1].start, end)
-        else:
-            spans.append(VersionSpan(version, start, end))
-    check_spans(spans, num_tokens)
-    return tuple(spans)
-
-
-def check_spans(spans: Sequence[VersionSpan], num_tokens: int) -> None:
-    """Spans must tile [0, num_tokens) in order, without gaps or overlaps, versions non-decreasing."""
-    cursor, last_version = 0, None
-    for span in spans:
-        if span.start != cursor or span.end <= span.start:
-            raise ValueError(f"version spans {list(spans)} do not tile [0, {num_tokens})")
-        if last_version is not None and span.version < last_version:
-            raise ValueError(f"version spans {list(spans)} go backwards")
-        cursor, last_version = span.end, span.version
-    if cursor != num_tokens:
-        raise ValueError(f"version spans {list(spans)} cover {cursor} of {num_tokens} tokens")

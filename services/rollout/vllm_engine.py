@@ -7,8 +7,9 @@
   carries `[start, end)` spans per label. Labels only change while generation is paused.
 - Weight updates: `pause_generation(mode="keep", clear_cache=True)` (requests freeze in place and
   their KV is dropped, so they re-prefill under the new weights) → `collective_rpc` into
-  `vllm_worker_ext.GrpoWorkerExtension.grpo_load_from_shm` on every worker → reset prefix cache →
-  new version label → `resume_generation()`.
+  `vllm_worker_ext.GrpoWorkerExtension.grpo_load_weights` on every worker (which opens the staged
+  version's transport `LoadPlan` there) → reset prefix cache → new version label →
+  `resume_generation()`.
 - Scoring: vLLM's *prompt* logprobs skip the sampler, i.e. they are log_softmax(logits) without
   temperature in every logprobs mode (verified in vllm 0.32 `gpu_model_runner._get_prompt_logprobs_dict`).
   So T == 1 uses one prompt-logprobs request over prompt+completion (exact); T != 1 teacher-forces
@@ -26,12 +27,12 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
 from services.common.weights import Manifest
+from services.rollout.config import RolloutSettings
 from services.rollout.engine import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -41,32 +42,13 @@ from services.rollout.engine import (
     RolloutEngine,
     Sampling,
 )
-from services.rollout.validation import spans_from_labels
+from services.rollout.spans import spans_from_labels
+from services.transports import LoadPlan
 
 log = get_logger(__name__)
 
 WORKER_EXTENSION = "services.rollout.vllm_worker_ext.GrpoWorkerExtension"
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
-
-
-@dataclass(frozen=True)
-class VllmOptions:
-    """Engine arguments we expose (see config.py for their meaning)."""
-
-    model: str
-    tokenizer: str = ""
-    dtype: str = "auto"
-    max_model_len: int = 2048
-    gpu_memory_utilization: float = 0.85
-    kv_cache_space_gib: float = 0.0
-    seed: int = 0
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    tensor_parallel_size: int = 1
-    trust_remote_code: bool = False
-    pause_mode: str = "keep"
-    load_timeout_s: float = 300.0
 
 
 def _token_logprob(position: Any, token: int) -> float:
@@ -80,14 +62,14 @@ class VllmEngine(RolloutEngine):
 
     name = "vllm"
 
-    def __init__(self, options: VllmOptions) -> None:
-        self._options = options
+    def __init__(self, settings: RolloutSettings) -> None:
+        self._settings = settings
         self._llm: Any = None
         self._version = 0
         self._update_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        options = self._options
+        settings, options = self._settings, self._settings.vllm
         if options.kv_cache_space_gib > 0:
             # vLLM parses VLLM_CPU_KVCACHE_SPACE as whole GiB
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(options.kv_cache_space_gib))))
@@ -95,17 +77,17 @@ class VllmEngine(RolloutEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(
-            model=options.model,
-            tokenizer=options.tokenizer or None,
-            dtype=options.dtype,
-            max_model_len=options.max_model_len,
+            model=settings.model,
+            tokenizer=settings.tokenizer or None,
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len or None,  # None: vLLM derives it from the model
             gpu_memory_utilization=options.gpu_memory_utilization,
-            seed=options.seed,
+            seed=settings.seed,
             enforce_eager=options.enforce_eager,
             enable_prefix_caching=options.enable_prefix_caching,
             max_num_seqs=options.max_num_seqs,
             tensor_parallel_size=options.tensor_parallel_size,
-            trust_remote_code=options.trust_remote_code,
+            trust_remote_code=settings.trust_remote_code,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
         )
@@ -114,7 +96,12 @@ class VllmEngine(RolloutEngine):
         # start; vLLM starts its output tasks lazily on this loop at the first call below.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         await self.set_weight_version(0)
-        log.info("vllm engine started", model=options.model, start_s=round(time.perf_counter() - started, 2))
+        log.info(
+            "vllm engine started",
+            model=settings.model,
+            max_model_len=self.max_model_len,
+            start_s=round(time.perf_counter() - started, 2),
+        )
 
     def _sampling_params(self, sampling: Sampling, index: int) -> Any:
         from vllm import SamplingParams
@@ -220,23 +207,21 @@ class VllmEngine(RolloutEngine):
         rest = await asyncio.gather(*(one(j) for j in range(start, len(ids) - 1)))
         return [*rest, last]
 
-    async def load_weights(self, manifest: Manifest, segment_name: str, version: int) -> LoadTimings:
+    async def load_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> LoadTimings:
+        # Plain data only: vLLM's msgpack RPC carries no dtypes objects and no pickle.
         kwargs = {
-            "segment_name": segment_name,
-            "names": [t.name for t in manifest.tensors],
-            "dtypes": [t.dtype for t in manifest.tensors],
-            "shapes": [list(t.shape) for t in manifest.tensors],
-            "offsets": [t.offset for t in manifest.tensors],
-            "nbytes": [t.nbytes for t in manifest.tensors],
+            "kind": plan.kind.value,
+            "spec": plan.spec,
+            "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in manifest.tensors],
         }
         async with self._update_lock:
             paused = time.perf_counter()
-            await self._llm.pause_generation(mode=self._options.pause_mode, clear_cache=True)
+            await self._llm.pause_generation(mode=self._settings.vllm.pause_mode, clear_cache=True)
             try:
                 loading = time.perf_counter()
                 try:
                     results = await self._llm.collective_rpc(
-                        "grpo_load_from_shm", timeout=self._options.load_timeout_s, kwargs=kwargs
+                        "grpo_load_weights", timeout=self._settings.load_timeout_s, kwargs=kwargs
                     )
                 except Exception as exc:
                     raise FailedPrecondition(
@@ -262,6 +247,10 @@ class VllmEngine(RolloutEngine):
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self._llm.model_config.max_model_len)
 
     async def stop(self) -> None:
         if self._llm is not None:

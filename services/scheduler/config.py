@@ -5,14 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
 
+from services.common.advantages import AdvantageMode
 from services.common.config import ServiceSettings
+from services.transports import TransportKind
+from services.transports.registry import ImplementedTransport
 
 
 class SamplingSettings(BaseModel):
     """Sampling for training rollouts. Keep top_p=1/top_k=0 so learner and behaviour logprobs match."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature (learner uses the same).")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling; 1.0 = off.")
@@ -22,6 +27,8 @@ class SamplingSettings(BaseModel):
 
 class TimeoutSettings(BaseModel):
     """Deadlines (seconds) of the scheduler's outbound calls."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     connect: float = Field(default=120.0, description="Waiting for a peer's channel to connect at start.")
     control: float = Field(default=30.0, description="Small control RPCs (state, prepare, release).")
@@ -54,12 +61,13 @@ class SchedulerSettings(ServiceSettings):
         description="Max versions between the oldest token of a group and the step that trains it "
         "(0 = on-policy). Enforced by admission control; late groups are dropped and re-issued.",
     )
-    advantage_mode: Literal["auto", "group_std", "group_mean", "batch_std"] = Field(
+    advantage_mode: AdvantageMode | Literal["auto"] = Field(
         default="auto",
         description="How rewards become advantages; auto = the usual mode for the learner's loss.",
     )
-    weight_transport: Literal["grpc_stream", "shared_memory"] = Field(
-        default="grpc_stream", description="How rollouts receive new weights (cuda_ipc/nccl: not yet)."
+    weight_transport: ImplementedTransport = Field(
+        default=TransportKind.grpc_stream,
+        description="How rollouts receive new weights: grpc_stream (anywhere) or shared_memory (same host).",
     )
     alignment_threshold: float = Field(
         default=1e-3,

@@ -3,11 +3,13 @@
 Four cooperating tasks, joined by bounded queues:
 
     prompt feeder ──prompts──▶ dispatcher ──(a task per group)──▶ generate ▶ score ──scored──▶ trainer
-    (env.SamplePrompts)        (admission, least-loaded rollout)    (rollout)  (env)     (learner step, sync)
-    health monitor: polls rollouts, brings lagging or re-joined ones up to the current version.
+    (env.sample)               (admission, least-loaded rollout)    (rollout)  (env)     (learner step, sync)
+    health monitor: polls rollouts, brings lagging or (re)joined ones up to the current version.
 
 Every group is tracked in the ledger; a group whose rollout dies is dropped and its prompt re-issued,
-so a dead worker costs time, never data.
+so a dead worker costs time, never data. The peers are the protocols of `clients.py`: this module
+builds no request message and handles no status code (a failure's `retryable` and `unreachable` say
+everything the policy needs).
 """
 
 from __future__ import annotations
@@ -17,55 +19,74 @@ import statistics
 import time
 import uuid
 from collections import deque
-
-import grpc
+from dataclasses import dataclass
 
 from grpo.common.v1 import types_pb2
-from grpo.env.v1 import env_pb2, env_pb2_grpc
-from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
-from grpo.rollout.v1 import rollout_pb2
-from services.common.advantages import MODE_FOR_LOSS
+from services.common.advantages import MODE_FOR_LOSS, AdvantageMode
+from services.common.errors import GrpoError
 from services.common.logging import get_logger
+from services.scheduler.clients import EnvClient, LearnerClient, Sampling, ScoredGroup, StepResult
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.evaluation import Evaluator
 from services.scheduler.ledger import GroupLedger, GroupState
 from services.scheduler.metrics import MetricsLog, TokenRate
 from services.scheduler.policy import build_train_batch, expected_train_version, group_staleness
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
-from services.scheduler.weight_sync import AlignmentError, WeightSyncer
+from services.scheduler.weight_sync import AlignmentError, SyncResult, WeightSyncer
 
 log = get_logger(__name__)
 
-# Rollout failures after which the prompt is re-issued elsewhere (the worker is suspect, not the prompt).
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ABORTED,
-}
 # A prompt whose group failed this many times is given up (logged and counted as dropped).
-_MAX_ATTEMPTS = 5
+MAX_ATTEMPTS = 5
+
+
+@dataclass(frozen=True)
+class RolloutStatus:
+    rollout_id: str
+    address: str
+    weight_version: int
+    in_flight: int
+    max_in_flight: int
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class SchedulerStatus:
+    """What GetStatus reports: versions, progress, queues, rollouts, alignment and errors."""
+
+    learner_version: int
+    step: int
+    paused: bool
+    finished: bool
+    max_steps: int
+    groups_by_state: dict[str, int]
+    queue_depths: dict[str, int]
+    rollouts: list[RolloutStatus]
+    staleness_mean: float
+    logprob_abs_diff_max: float
+    error: str
 
 
 class Orchestrator:
     def __init__(
-        self,
-        settings: SchedulerSettings,
-        env: env_pb2_grpc.EnvironmentServiceStub,
-        learner: learner_pb2_grpc.LearnerServiceStub,
-        pool: RolloutPool,
+        self, settings: SchedulerSettings, env: EnvClient, learner: LearnerClient, pool: RolloutPool
     ) -> None:
         self.settings = settings
         self.env, self.learner, self.pool = env, learner, pool
         self.ledger = GroupLedger()
-        self.syncer = WeightSyncer(learner, pool, settings.weight_transport, settings.timeouts)
+        self.syncer = WeightSyncer(learner, pool, settings.weight_transport)
         self.evaluator = Evaluator(settings, env, pool)
         batch = settings.groups_per_batch
         self.prompts: asyncio.Queue[types_pb2.Prompt] = asyncio.Queue(maxsize=settings.prompt_buffer)
         self.reissue: deque[types_pb2.Prompt] = deque()
-        self.scored: asyncio.Queue[types_pb2.ScoredGroup] = asyncio.Queue(
-            maxsize=(settings.max_staleness + 1) * batch
+        self.scored: asyncio.Queue[ScoredGroup] = asyncio.Queue(maxsize=(settings.max_staleness + 1) * batch)
+        s = settings.sampling
+        self.sampling = Sampling(
+            n=settings.group_size,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_tokens,
         )
         self.version = 0
         self.step = 0
@@ -117,13 +138,11 @@ class Orchestrator:
 
     async def _prepare(self) -> None:
         """Learn the learner's version and loss, bring every rollout to it, fix the probe sequence."""
-        state = await self.learner.GetLearnerState(
-            learner_pb2.GetLearnerStateRequest(), timeout=self.settings.timeouts.control
-        )
+        state = await self.learner.state()
         self.version, self.step = state.weight_version, state.step
         if self.advantage_mode == "auto":
-            self.advantage_mode = MODE_FOR_LOSS.get(state.loss, "group_std")
-        await self.pool.refresh_all()
+            self.advantage_mode = MODE_FOR_LOSS.get(state.loss, AdvantageMode.group_std)
+        await self.pool.refresh_all(self.version)
         if not self.pool.healthy():
             raise RuntimeError("no rollout is ready")
         async with self.syncer.lock:
@@ -142,32 +161,30 @@ class Orchestrator:
             await self._log_eval_only()
 
     async def _make_probe(self) -> types_pb2.TokenSequence:
-        """A fixed probe: one sampled completion of the env's first eval prompt."""
-        response = await self.env.SamplePrompts(
-            env_pb2.SamplePromptsRequest(n=1, split=env_pb2.SPLIT_EVAL, start=0),
-            timeout=self.settings.timeouts.control,
-        )
-        handle = self.pool.healthy()[0]
-        sampling = types_pb2.SamplingParams(
-            n=1,
-            temperature=self.settings.sampling.temperature,
-            top_p=1.0,
-            max_tokens=self.settings.sampling.max_tokens,
-            seed=1234,
-        )
-        request = rollout_pb2.GenerateRequest(
-            request_id=f"probe-{uuid.uuid4().hex[:8]}", prompt=response.prompts[0], sampling_params=sampling
-        )
-        async for item in handle.stub.Generate(request, timeout=self.settings.timeouts.generate):
-            c = item.completion
+        """A fixed probe: one seeded completion of the env's first eval prompt (from the first rollout
+        that answers; unreachable ones are marked unhealthy)."""
+        prompt = (await self.env.sample(1, "eval", start=0))[0]
+        cfg = self.settings.sampling
+        sampling = Sampling(n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=1234)
+        for handle in self.pool.healthy():
+            try:
+                completions = await handle.client.generate(f"probe-{uuid.uuid4().hex[:8]}", prompt, sampling)
+            except GrpoError as exc:
+                if not exc.unreachable:
+                    raise
+                await self.pool.mark(handle, healthy=False)
+                continue
+            if not completions:
+                raise RuntimeError("probe generation returned nothing")
             return types_pb2.TokenSequence(
-                prompt_token_ids=c.prompt_token_ids,
-                completion_token_ids=c.completion_token_ids,
-                temperature=self.settings.sampling.temperature,
+                prompt_token_ids=completions[0].prompt_token_ids,
+                completion_token_ids=completions[0].completion_token_ids,
+                temperature=cfg.temperature,
             )
-        raise RuntimeError("probe generation returned nothing")
+        raise RuntimeError("no rollout answered the probe generation")
 
     async def _check_alignment(self, rollouts: list[RolloutHandle]) -> float:
+        assert self.probe is not None
         diff = await self.syncer.probe(self.probe, rollouts)
         if diff > self.settings.alignment_threshold:
             message = (
@@ -184,11 +201,7 @@ class Orchestrator:
     async def _feed_prompts(self) -> None:
         chunk = min(self.settings.prompt_buffer, max(1, self.settings.groups_per_batch))
         while True:
-            response = await self.env.SamplePrompts(
-                env_pb2.SamplePromptsRequest(n=chunk, split=env_pb2.SPLIT_TRAIN),
-                timeout=self.settings.timeouts.control,
-            )
-            for prompt in response.prompts:
+            for prompt in await self.env.sample(chunk, "train"):
                 await self.prompts.put(prompt)
 
     async def _next_prompt(self) -> types_pb2.Prompt:
@@ -206,7 +219,7 @@ class Orchestrator:
             )
             prompt = await self._next_prompt()
             record = self.ledger.issue(prompt.id, self.version)
-            record.rollout_id = handle.rollout_id
+            record.rollout_id = handle.name
             task = asyncio.create_task(self._run_group(record.group_id, prompt, handle))
             self._group_tasks.add(task)
             task.add_done_callback(self._group_tasks.discard)
@@ -216,26 +229,22 @@ class Orchestrator:
         ones re-issue its prompt, and only a rollout failure counts against the rollout."""
         try:
             completions = await self._generate(group_id, prompt, handle)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        except GrpoError as exc:
+            if exc.unreachable:
                 await self.pool.mark(handle, healthy=False)
-            self._fail_group(group_id, prompt, f"rollout {handle.rollout_id}", exc)
+            self._fail_group(group_id, prompt, f"rollout {handle.name}", exc)
             return
         except Exception as exc:  # a broken answer from the rollout: log it, never lose the prompt
-            log.exception("rollout returned an unusable group", group=group_id, rollout=handle.rollout_id)
-            self._fail_group(group_id, prompt, f"rollout {handle.rollout_id}", exc)
+            log.exception("rollout returned an unusable group", group=group_id, rollout=handle.name)
+            self._fail_group(group_id, prompt, f"rollout {handle.name}", exc)
             return
         finally:
             await self.pool.release(handle)  # the rollout is free as soon as generation ends
         self.ledger.advance(group_id, GroupState.GENERATED)
-        tokens = sum(len(c.completion_token_ids) for c in completions)
-        self.tokens.add(tokens)
+        self.tokens.add(sum(len(c.completion_token_ids) for c in completions))
         try:
-            scores = await self.env.ScoreCompletions(
-                env_pb2.ScoreCompletionsRequest(prompt=prompt, completions=completions),
-                timeout=self.settings.timeouts.score,
-            )
-        except grpc.aio.AioRpcError as exc:
+            scores = await self.env.score(prompt, completions)
+        except GrpoError as exc:
             self._fail_group(group_id, prompt, "env", exc)
             return
         if scores.skip_group:  # the env's failure policy: a reward could not be computed
@@ -243,47 +252,26 @@ class Orchestrator:
             self._drop(group_id, f"scoring failed: {reasons}")
             return
         self.ledger.advance(group_id, GroupState.SCORED)
-        group = types_pb2.ScoredGroup(
-            group_id=group_id,
-            prompt=prompt,
-            completions=completions,
-            rewards=scores.rewards,
-            reward_infos=scores.reward_infos,
-        )
-        await self.scored.put(group)
-
-    def _fail_group(self, group_id: str, prompt: types_pb2.Prompt, where: str, exc: Exception) -> None:
-        """Drop the group; re-issue its prompt unless the failure says the request itself is bad."""
-        if isinstance(exc, grpc.aio.AioRpcError):
-            reason, retry = f"{where}: {exc.code().name}: {exc.details()}", exc.code() in _RETRYABLE
-        else:
-            reason, retry = f"{where}: {type(exc).__name__}: {exc}", True
-        retry = retry and self.ledger.get(group_id).attempt + 1 < _MAX_ATTEMPTS
-        log.warning("group failed", group=group_id, reason=reason, reissue=retry)
-        self._drop(group_id, reason)
-        if retry:
-            self.reissue.append(prompt)
+        await self.scored.put(ScoredGroup(group_id, prompt, completions, scores.rewards, scores.reward_infos))
 
     async def _generate(
         self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle
     ) -> list[types_pb2.Completion]:
-        s = self.settings.sampling
-        sampling = types_pb2.SamplingParams(
-            n=self.settings.group_size,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_tokens=s.max_tokens,
-        )
-        request = rollout_pb2.GenerateRequest(request_id=group_id, prompt=prompt, sampling_params=sampling)
-        completions = [
-            item.completion
-            async for item in handle.stub.Generate(request, timeout=self.settings.timeouts.generate)
-        ]
+        completions = await handle.client.generate(group_id, prompt, self.sampling)
         indices = sorted(c.index for c in completions)
         if indices != list(range(self.settings.group_size)):
             raise RuntimeError(f"group {group_id}: rollout returned completion indices {indices}")
         return sorted(completions, key=lambda c: c.index)
+
+    def _fail_group(self, group_id: str, prompt: types_pb2.Prompt, where: str, exc: Exception) -> None:
+        """Drop the group; re-issue its prompt unless the failure says the request itself is bad."""
+        retry = exc.retryable if isinstance(exc, GrpoError) else True
+        reason = f"{where}: {exc}" if isinstance(exc, GrpoError) else f"{where}: {type(exc).__name__}: {exc}"
+        retry = retry and self.ledger.get(group_id).attempt + 1 < MAX_ATTEMPTS
+        log.warning("group failed", group=group_id, reason=reason, reissue=retry)
+        self._drop(group_id, reason)
+        if retry:
+            self.reissue.append(prompt)
 
     def _drop(self, group_id: str, reason: str) -> None:
         record = self.ledger.get(group_id)
@@ -292,7 +280,7 @@ class Orchestrator:
 
     # ---- training and weight sync ----------------------------------------------------------------
 
-    async def _collect_batch(self) -> tuple[list[types_pb2.ScoredGroup], list[int]]:
+    async def _collect_batch(self) -> tuple[list[ScoredGroup], list[int]]:
         """B groups within the staleness bound; late ones are dropped and their prompts re-issued."""
         groups, staleness = [], []
         while len(groups) < self.settings.groups_per_batch:
@@ -313,11 +301,7 @@ class Orchestrator:
             groups, staleness = await self._collect_batch()
             batch = build_train_batch(groups, self.step, f"step-{self.step}", self.advantage_mode)
             step_started = time.perf_counter()
-            result = (
-                await self.learner.TrainStep(
-                    learner_pb2.TrainStepRequest(batch=batch), timeout=cfg.timeouts.train_step
-                )
-            ).result
+            result = await self.learner.train_step(batch)
             train_ms = (time.perf_counter() - step_started) * 1e3
             for group in groups:
                 self.ledger.advance(group.group_id, GroupState.TRAINED)
@@ -325,7 +309,7 @@ class Orchestrator:
             self.staleness_seen.extend(staleness)
             async with self.syncer.lock:
                 self.version, self.step = result.weight_version, result.step
-                sync = await self.syncer.sync([h for h in self.pool.healthy()])
+                sync = await self.syncer.sync(self.pool.healthy())
                 self.last_alignment = await self._check_alignment(
                     [h for h in self.pool.healthy() if h.version == self.version]
                 )
@@ -333,6 +317,7 @@ class Orchestrator:
             record = self._step_record(groups, staleness, result, sync, train_ms)
             if cfg.eval_every and self.step % cfg.eval_every == 0:
                 record.update(await self.evaluator.run(self.version))
+            assert self._metrics is not None
             self._metrics.write(record)
             log.info(
                 "step",
@@ -343,22 +328,28 @@ class Orchestrator:
                 diff=record["logprob_abs_diff_max"],
             )
 
-    def _step_record(self, groups, staleness, result, sync, train_ms) -> dict:
+    def _step_record(
+        self,
+        groups: list[ScoredGroup],
+        staleness: list[int],
+        result: StepResult,
+        sync: SyncResult,
+        train_ms: float,
+    ) -> dict:
         rewards = [r for g in groups for r in g.rewards]
-        metrics = dict(result.metrics)
         return {
             "step": result.step,
             "weight_version": result.weight_version,
             "reward_mean": statistics.fmean(rewards),
             "reward_std": statistics.pstdev(rewards),
-            "loss": metrics.get("loss", float("nan")),
+            "loss": result.metrics.get("loss", float("nan")),
             "staleness_mean": statistics.fmean(staleness),
             "staleness_max": max(staleness),
             "sync_ms": sync.total_ms,
             "sync_prepare_ms": sync.prepare_ms,
             "sync_stage_ms": sync.stage_ms,
             "sync_commit_ms": sync.commit_ms,
-            "weight_transport": self.settings.weight_transport,
+            "weight_transport": self.settings.weight_transport.value,
             "logprob_abs_diff_max": self.last_alignment,
             "tokens_per_s": self.tokens.take(),
             "train_ms": train_ms,
@@ -367,31 +358,40 @@ class Orchestrator:
                 {sp.version for g in groups for c in g.completions for sp in c.version_spans}
             ),
             "rollouts_synced": len(sync.synced),
-            **{f"learner/{k}": v for k, v in metrics.items()},
+            **{f"learner/{k}": v for k, v in result.metrics.items()},
         }
 
     async def _log_eval_only(self) -> None:
         record = {"step": self.step, "weight_version": self.version, "eval_only": True}
         record.update(await self.evaluator.run(self.version))
+        assert self._metrics is not None
         self._metrics.write(record)
 
     async def _monitor_health(self) -> None:
         """Poll rollouts; bring healthy ones that lag (restarted or newly registered) up to date."""
         while True:
             await asyncio.sleep(self.settings.health_interval_seconds)
-            await self.pool.refresh_all()
-            lagging = [h for h in self.pool.healthy() if h.version < self.version and not h.syncing]
-            if lagging and not self.syncer.lock.locked():
-                async with self.syncer.lock:
-                    log.info(
-                        "catching up rollouts", rollouts=[h.rollout_id for h in lagging], version=self.version
-                    )
-                    try:
-                        await self.syncer.sync(lagging)
-                    except grpc.aio.AioRpcError as exc:
-                        log.warning("catch-up sync failed", code=exc.code().name, detail=exc.details())
+            await self.catch_up()
 
-    # ---- status ------------------------------------------------------------------------------------
+    async def catch_up(self) -> None:
+        """One health round: refresh every rollout, then sync the healthy ones behind the run's version."""
+        await self.pool.refresh_all(self.version)
+        lagging = [
+            h for h in self.pool.healthy() if (h.version < self.version or h.needs_sync) and not h.syncing
+        ]
+        if lagging and not self.syncer.lock.locked():
+            async with self.syncer.lock:
+                log.info("catching up rollouts", rollouts=[h.name for h in lagging], version=self.version)
+                try:
+                    await self.syncer.sync(lagging)
+                except GrpoError as exc:
+                    log.warning("catch-up sync failed", error=str(exc))
+
+    # ---- control and status ------------------------------------------------------------------------
+
+    def register_rollout(self, address: str) -> str:
+        """Add a rollout; the health monitor syncs it to the current version before it gets work."""
+        return self.pool.add(address).address
 
     @property
     def paused(self) -> bool:
@@ -403,3 +403,25 @@ class Orchestrator:
             self.resumed.clear()
         else:
             self.resumed.set()
+
+    def status(self) -> SchedulerStatus:
+        return SchedulerStatus(
+            learner_version=self.version,
+            step=self.step,
+            paused=self.paused,
+            finished=self.finished,
+            max_steps=self.settings.max_steps,
+            groups_by_state=self.ledger.counts(),
+            queue_depths={
+                "prompts": self.prompts.qsize(),
+                "reissue": len(self.reissue),
+                "scored": self.scored.qsize(),
+            },
+            rollouts=[
+                RolloutStatus(h.rollout_id, h.address, h.version, h.in_flight, h.max_in_flight, h.healthy)
+                for h in self.pool.handles()
+            ],
+            staleness_mean=statistics.fmean(self.staleness_seen) if self.staleness_seen else 0.0,
+            logprob_abs_diff_max=self.last_alignment,
+            error=self.error,
+        )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from grpo.common.v1 import types_pb2
 from services.common.advantages import compute_advantages
+from services.scheduler.clients import Batch, ScoredGroup
 
 
 def oldest_version(completions: Sequence[types_pb2.Completion]) -> int:
@@ -61,15 +62,7 @@ def pick_rollout(slots: Sequence[RolloutSlot], train_version: int, max_staleness
     ).rollout_id
 
 
-def build_train_batch(
-    groups: Sequence[types_pb2.ScoredGroup], step: int, batch_id: str, advantage_mode: str
-) -> types_pb2.TrainBatch:
-    """Fill each group's advantages (mode over the whole batch) and wrap them as a TrainBatch."""
+def build_train_batch(groups: Sequence[ScoredGroup], step: int, batch_id: str, advantage_mode: str) -> Batch:
+    """The batch of one optimizer step: `groups` with their advantages (mode over the whole batch)."""
     advantages = compute_advantages([list(g.rewards) for g in groups], advantage_mode)
-    batch = types_pb2.TrainBatch(batch_id=batch_id, step=step)
-    for group, group_adv in zip(groups, advantages, strict=True):
-        out = batch.groups.add()
-        out.CopyFrom(group)
-        del out.advantages[:]
-        out.advantages.extend(group_adv)
-    return batch
+    return Batch(batch_id=batch_id, step=step, groups=list(groups), advantages=advantages)

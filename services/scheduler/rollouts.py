@@ -1,16 +1,19 @@
-"""The scheduler's view of its rollout workers: channels, credits, versions and health."""
+"""The scheduler's view of its rollout workers: clients, credits, versions and health.
+
+A handle is usable for new work when it is healthy, not in a weight sync, and not waiting for its
+first sync: a rollout that (re)joins with weights other than the run's current version gets them
+before any work (`needs_sync`), whatever the staleness bound would allow.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import grpc
-
-from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from services.common.clients import open_channel
+from services.common.errors import GrpoError
 from services.common.logging import get_logger
+from services.scheduler.clients import RolloutClient
 from services.scheduler.policy import RolloutSlot, pick_rollout
 
 log = get_logger(__name__)
@@ -19,38 +22,36 @@ log = get_logger(__name__)
 @dataclass
 class RolloutHandle:
     address: str
-    channel: grpc.aio.Channel
-    stub: rollout_pb2_grpc.RolloutServiceStub
+    client: RolloutClient
     rollout_id: str = ""
     version: int = -1
     in_flight: int = 0
     max_in_flight: int = 1
     healthy: bool = False
     syncing: bool = False
-    tokens_generated: int = 0
-    failures: int = field(default=0)
+    needs_sync: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.rollout_id or self.address
 
     def slot(self) -> RolloutSlot:
-        usable = self.healthy and not self.syncing
-        return RolloutSlot(
-            self.rollout_id or self.address, self.in_flight, self.max_in_flight, self.version, usable
-        )
+        usable = self.healthy and not self.syncing and not self.needs_sync
+        return RolloutSlot(self.name, self.in_flight, self.max_in_flight, self.version, usable)
 
 
 class RolloutPool:
     """All known rollouts; `changed` is notified whenever credits, health or versions move."""
 
-    def __init__(self, control_timeout: float) -> None:
+    def __init__(self, connect: Callable[[str], RolloutClient]) -> None:
+        self._connect = connect
         self._by_address: dict[str, RolloutHandle] = {}
-        self._timeout = control_timeout
         self.changed = asyncio.Condition()
 
     def add(self, address: str) -> RolloutHandle:
+        """The handle for `address` (created unhealthy; the next refresh finds out its state)."""
         if address not in self._by_address:
-            channel = open_channel(address)
-            self._by_address[address] = RolloutHandle(
-                address, channel, rollout_pb2_grpc.RolloutServiceStub(channel)
-            )
+            self._by_address[address] = RolloutHandle(address, self._connect(address))
         return self._by_address[address]
 
     def handles(self) -> list[RolloutHandle]:
@@ -59,28 +60,28 @@ class RolloutPool:
     def healthy(self) -> list[RolloutHandle]:
         return [h for h in self._by_address.values() if h.healthy]
 
-    async def refresh(self, handle: RolloutHandle) -> None:
-        """Poll one rollout's state; mark it unhealthy if it does not answer in time."""
+    async def refresh(self, handle: RolloutHandle, current_version: int) -> None:
+        """Poll one rollout's state; mark it unhealthy if it does not answer in time. A rollout that
+        becomes healthy with weights other than `current_version` must be synced before any work."""
         try:
-            state = await handle.stub.GetRolloutState(
-                rollout_pb2.GetRolloutStateRequest(), timeout=self._timeout
-            )
-        except grpc.aio.AioRpcError as exc:
+            info = await handle.client.state()
+        except GrpoError as exc:
             if handle.healthy:
-                log.warning("rollout unreachable", address=handle.address, code=exc.code().name)
+                log.warning("rollout unreachable", address=handle.address, error=str(exc))
             await self.mark(handle, healthy=False)
             return
-        ready = state.status in (rollout_pb2.ROLLOUT_STATUS_READY, rollout_pb2.ROLLOUT_STATUS_UPDATING)
-        handle.rollout_id = state.rollout_id or handle.address
-        handle.version = state.weight_version
-        handle.max_in_flight = max(1, state.max_in_flight)
-        handle.tokens_generated = state.tokens_generated
-        if ready and not handle.healthy:
-            log.info("rollout healthy", rollout=handle.rollout_id, version=handle.version)
-        await self.mark(handle, healthy=ready)
+        handle.rollout_id = info.rollout_id
+        handle.version = info.weight_version
+        handle.max_in_flight = max(1, info.max_in_flight)
+        if info.ready and not handle.healthy:
+            handle.needs_sync = handle.version != current_version
+            log.info(
+                "rollout healthy", rollout=handle.name, version=handle.version, needs_sync=handle.needs_sync
+            )
+        await self.mark(handle, healthy=info.ready)
 
-    async def refresh_all(self) -> None:
-        await asyncio.gather(*(self.refresh(h) for h in self.handles()))
+    async def refresh_all(self, current_version: int) -> None:
+        await asyncio.gather(*(self.refresh(h, current_version) for h in self.handles()))
 
     async def mark(self, handle: RolloutHandle, *, healthy: bool) -> None:
         async with self.changed:
@@ -92,10 +93,10 @@ class RolloutPool:
         older than `train_version()` (re-evaluated on every change), and take one credit on it."""
         async with self.changed:
             while True:
-                slots = [h.slot() for h in self.handles()]
-                chosen = pick_rollout(slots, train_version(), max_staleness)
+                handles = self.handles()
+                chosen = pick_rollout([h.slot() for h in handles], train_version(), max_staleness)
                 if chosen is not None:
-                    handle = next(h for h in self.handles() if (h.rollout_id or h.address) == chosen)
+                    handle = next(h for h in handles if h.name == chosen)
                     handle.in_flight += 1
                     return handle
                 await self.changed.wait()
@@ -110,4 +111,4 @@ class RolloutPool:
             self.changed.notify_all()
 
     async def close(self) -> None:
-        await asyncio.gather(*(h.channel.close() for h in self.handles()))
+        await asyncio.gather(*(h.client.close() for h in self.handles()))

@@ -1,10 +1,74 @@
-"""`python -m services.scheduler`: settings → SchedulerApp → the shared serve skeleton."""
+"""Scheduler wiring: settings → gRPC clients of the three peers → `Orchestrator` → the server skeleton.
+
+    python -m services.scheduler --port 50050 --env-address HOST:PORT --learner-address HOST:PORT \
+        --rollout-addresses '["HOST:PORT"]' --max-steps 100
+"""
 
 from __future__ import annotations
 
-from services.common.serve import run_service
-from services.scheduler.app import SchedulerApp
+import asyncio
+from functools import partial
+
+import grpc
+
+from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.logging import get_logger
+from services.common.serve import run_service, service_names
 from services.scheduler.config import SchedulerSettings
+from services.scheduler.grpc_clients import GrpcEnvClient, GrpcLearnerClient, GrpcRolloutClient
+from services.scheduler.orchestrator import Orchestrator
+from services.scheduler.rollouts import RolloutPool
+from services.scheduler.servicer import SchedulerServicer
+
+log = get_logger(__name__)
+
+
+class SchedulerApp:
+    """ServiceApp adapter: connects the peers, runs the orchestrator in the background.
+
+    A failed run is recorded in `orchestrator.error` (GetStatus reports it) and the server keeps
+    serving, so operators can still inspect what happened.
+    """
+
+    service_names = service_names(scheduler_pb2)
+
+    def __init__(self, settings: SchedulerSettings) -> None:
+        self.settings = settings
+        timeouts = settings.timeouts
+        self.env = GrpcEnvClient(settings.env_address, timeouts)
+        self.learner = GrpcLearnerClient(settings.learner_address, timeouts)
+        self.pool = RolloutPool(partial(GrpcRolloutClient, timeouts=timeouts))
+        for address in settings.rollout_addresses:
+            self.pool.add(address)
+        self.orchestrator = Orchestrator(settings, self.env, self.learner, self.pool)
+        self.run_task: asyncio.Task | None = None
+        self.bound_port: int | None = None
+
+    def register(self, server: grpc.aio.Server) -> None:
+        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
+            SchedulerServicer(self.orchestrator), server
+        )
+
+    async def start(self) -> None:
+        connect = self.settings.timeouts.connect
+        peers = [self.env, self.learner, *(h.client for h in self.pool.handles())]
+        await asyncio.gather(*(peer.wait_ready(connect) for peer in peers))
+        if self.settings.autostart:
+            self.run_task = asyncio.create_task(self._run(), name="orchestrator")
+
+    async def _run(self) -> None:
+        try:
+            await self.orchestrator.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # recorded in orchestrator.error and reported by GetStatus
+            log.error("training run stopped", error=self.orchestrator.error)
+
+    async def stop(self) -> None:
+        if self.run_task is not None:
+            self.run_task.cancel()
+            await asyncio.gather(self.run_task, return_exceptions=True)
+        await asyncio.gather(self.pool.close(), self.env.close(), self.learner.close())
 
 
 def main(argv: list[str] | None = None) -> None:

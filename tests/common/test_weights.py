@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
-import uuid
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from grpo.common.v1 import types_pb2
 from services.common.errors import DataLoss, InvalidArgument
 from services.common.weights import (
     CHUNK_BYTES,
-    attach_segment,
     build_manifest,
     chunk_ranges,
-    create_segment,
     iter_tensors,
     manifest_from_proto,
     manifest_to_proto,
@@ -156,65 +149,3 @@ def test_inconsistent_manifest_rejected(corrupt, message_part: str) -> None:
     corrupt(message)
     with pytest.raises(InvalidArgument, match=message_part):
         manifest_from_proto(message)
-
-
-def test_shared_memory_create_attach_read_unlink() -> None:
-    state = _state()
-    size = packed_size(plan_layout(state))
-    name = f"grpo-test-{uuid.uuid4().hex[:10]}"
-    producer = create_segment(name, size)
-    try:
-        manifest = build_manifest(state, producer.buf[:size], bucket_bytes=256)
-        consumer = attach_segment(name)
-        try:
-            view = consumer.buf[: manifest.total_bytes]
-            verify_buckets(view, manifest.buckets)
-            rebuilt = {n: t.clone() for n, t in iter_tensors(view, manifest.tensors)}
-            del view
-        finally:
-            consumer.close()
-        assert all(torch.equal(rebuilt[n], t) for n, t in state.items())
-    finally:
-        producer.close()
-        producer.unlink()
-    with pytest.raises(FileNotFoundError):
-        attach_segment(name)
-
-
-_CONSUMER = """
-import sys
-from pathlib import Path
-from safetensors.torch import save_file
-from grpo.common.v1 import types_pb2
-from services.common.weights import attach_segment, iter_tensors, manifest_from_proto, verify_buckets
-manifest = manifest_from_proto(types_pb2.WeightVersion.FromString(Path(sys.argv[2]).read_bytes()))
-segment = attach_segment(sys.argv[1])
-view = segment.buf[: manifest.total_bytes]
-verify_buckets(view, manifest.buckets)
-save_file({n: t.clone() for n, t in iter_tensors(view, manifest.tensors)}, sys.argv[3])
-del view
-segment.close()
-"""
-
-
-def test_consumer_process_reads_segment_and_exit_does_not_unlink_it(tmp_path) -> None:
-    state = {k: v.contiguous() for k, v in _state().items() if v.numel()}
-    size = packed_size(plan_layout(state))
-    name = f"grpo-test-{uuid.uuid4().hex[:10]}"
-    producer = create_segment(name, size)
-    try:
-        manifest = build_manifest(state, producer.buf[:size], bucket_bytes=256)
-        message = types_pb2.WeightVersion(version=1)
-        manifest_to_proto(manifest, message)
-        (tmp_path / "manifest.pb").write_bytes(message.SerializeToString())
-        out = tmp_path / "read.safetensors"
-        args = [sys.executable, "-c", _CONSUMER, name, str(tmp_path / "manifest.pb"), str(out)]
-        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        assert "leaked shared_memory" not in done.stderr
-        rebuilt = load_file(out)
-        assert all(torch.equal(rebuilt[n], t) for n, t in state.items())
-        assert Path("/dev/shm", name).exists(), "the consumer's exit must not unlink the producer's segment"
-    finally:
-        producer.close()
-        producer.unlink()

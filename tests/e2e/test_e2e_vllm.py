@@ -20,8 +20,8 @@ from services.common.clients import open_channel
 from services.common.serve import start_server
 from services.launch.demo import DemoSettings, run_config
 from services.launch.processes import ServiceProcess
-from services.scheduler.app import SchedulerApp
 from services.scheduler.config import SchedulerSettings
+from services.scheduler.server import SchedulerApp
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -49,7 +49,7 @@ def cluster(tmp_path: Path, tiny_model_dir: Path):
             "learner", tmp_path, ["--model", model, "--device", "cpu", "--dtype", "float32"]
         ),
         "rollout": ServiceProcess(
-            "rollout", tmp_path, ["--model", model, "--engine", "transformers", "--hf-num-threads", "1"]
+            "rollout", tmp_path, ["--model", model, "--engine", "transformers", "--hf.num-threads", "1"]
         ),
     }
     for proc in procs.values():

@@ -15,6 +15,7 @@ from services.env.builtins.arithmetic import (
     parse_answer,
     score_answer,
 )
+from services.env.cursor import PromptCursor
 from services.env.loader import load_environment
 
 
@@ -106,23 +107,23 @@ def test_parse_answer() -> None:
 
 
 async def test_env_prompts_deterministic_and_splits_distinct() -> None:
-    a, b = load_environment("arithmetic"), load_environment("arithmetic")
-    first = await a.sample(16, "train")
-    assert [p.text for p in first] == [p.text for p in await b.sample(16, "train")]
-    other_seed = await load_environment("arithmetic", {"seed": 1}).sample(16, "train")
+    a, b = PromptCursor(load_environment("arithmetic")), PromptCursor(load_environment("arithmetic"))
+    first = (await a.take(16, "train")).prompts
+    assert [p.text for p in first] == [p.text for p in (await b.take(16, "train")).prompts]
+    other_seed = (await PromptCursor(load_environment("arithmetic", {"seed": 1})).take(16, "train")).prompts
     assert [p.text for p in other_seed] != [p.text for p in first]
-    evaluation = await a.sample(16, "eval")
+    evaluation = (await a.take(16, "eval")).prompts
     assert [p.text for p in evaluation] != [p.text for p in first]
     # Resumable: the cursor continues, and `start` replays from a position.
-    second = await a.sample(4, "train")
+    second = (await a.take(4, "train")).prompts
     assert [p.id for p in second] == [f"arithmetic-train-{i}" for i in range(16, 20)]
-    replay = await b.sample(4, "train", start=16)
+    replay = (await b.take(4, "train", start=16)).prompts
     assert [p.text for p in replay] == [p.text for p in second]
 
 
 async def test_env_reference_scores_one_and_wrong_answers_zero() -> None:
     env = load_environment("arithmetic", {"digits": 3, "operators": "+-*", "terms": 3})
-    for prompt in await env.sample(20, "train"):
+    for prompt in (await PromptCursor(env).take(20, "train")).prompts:
         [ref] = await env.score(prompt, [env.reference_completion(prompt)])
         assert ref.reward == 1.0
         for score in await env.score(prompt, env.wrong_answers(prompt)):

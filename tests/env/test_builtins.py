@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from services.env.base import PromptItem, SplitName
 from services.env.builtins.gsm8k import gold_answer, score_gsm8k
+from services.env.cursor import PromptCursor
 from services.env.loader import EnvLoadError, load_environment
 
 ROWS = [
@@ -17,6 +19,12 @@ ROWS = [
     }
     for i in range(30)
 ] + [{"question": "A shop sells 1,000 pens a day for 2 days.", "answer": "1000*2=2000\n#### 2,000"}]
+
+
+async def take(
+    cursor: PromptCursor, n: int, split: SplitName = "train", start: int | None = None
+) -> list[PromptItem]:
+    return (await cursor.take(n, split, start)).prompts
 
 
 @pytest.fixture
@@ -55,11 +63,12 @@ async def test_gsm8k_local_file(gsm8k_file: Path) -> None:
     await env.setup()
     await same.setup()
     assert (env.split_size("train"), env.split_size("eval")) == (26, 5)
-    train = await env.sample(10, "train")
-    assert [p.messages for p in train] == [p.messages for p in await same.sample(10, "train")]
+    cursor = PromptCursor(env)
+    train = await take(cursor, 10, "train")
+    assert [p.messages for p in train] == [p.messages for p in await take(PromptCursor(same), 10, "train")]
     assert train[0].is_chat and train[0].messages[-1]["role"] == "user"
-    eval_questions = {p.messages[-1]["content"] for p in await env.sample(5, "eval")}
-    train_questions = {p.messages[-1]["content"] for p in await env.sample(26, "train", start=0)}
+    eval_questions = {p.messages[-1]["content"] for p in await take(cursor, 5, "eval")}
+    train_questions = {p.messages[-1]["content"] for p in await take(cursor, 26, "train", start=0)}
     assert not eval_questions & train_questions
     for prompt in train:
         [ref, *wrong] = await env.score(
@@ -72,7 +81,7 @@ async def test_gsm8k_local_file(gsm8k_file: Path) -> None:
 async def test_gsm8k_plain_text_and_errors(gsm8k_file: Path, tmp_path: Path) -> None:
     env = load_environment("gsm8k", {"path": str(gsm8k_file), "chat": False})
     await env.setup()
-    [prompt] = await env.sample(1)
+    [prompt] = await take(PromptCursor(env), 1)
     assert prompt.text.endswith('output the final answer after "####".') and not prompt.messages
     missing = load_environment("gsm8k", {"path": str(tmp_path / "nope.jsonl")})
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
@@ -89,8 +98,8 @@ async def test_reasoning_gym_task() -> None:
     assert env.name == "reasoning_gym:leg_counting"
     await env.setup()
     await same.setup()
-    prompts = await env.sample(6)
-    assert [p.messages for p in prompts] == [p.messages for p in await same.sample(6)]
+    prompts = await take(PromptCursor(env), 6)
+    assert [p.messages for p in prompts] == [p.messages for p in await take(PromptCursor(same), 6)]
     assert prompts[0].messages[0]["role"] == "system"
     for prompt in prompts:
         scores = await env.score(prompt, [env.reference_completion(prompt), *env.wrong_answers(prompt)])
@@ -116,5 +125,5 @@ async def test_gsm8k_parquet_file_matches_jsonl(gsm8k_file: Path, tmp_path: Path
     from_parquet = load_environment("gsm8k", {"path": str(parquet), "eval_size": 5})
     await from_jsonl.setup()
     await from_parquet.setup()
-    got = [(p.messages, p.reference_answer) for p in await from_parquet.sample(8, "train")]
-    assert got == [(p.messages, p.reference_answer) for p in await from_jsonl.sample(8, "train")]
+    got = [(p.messages, p.reference_answer) for p in await take(PromptCursor(from_parquet), 8)]
+    assert got == [(p.messages, p.reference_answer) for p in await take(PromptCursor(from_jsonl), 8)]

@@ -12,6 +12,7 @@ import pytest
 from services.env.check import main
 
 ROOT = Path(__file__).resolve().parents[2]
+LETTER = ["--env-arg", "letter=s"]
 
 
 def test_check_builtin_ok(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,13 +49,56 @@ def test_check_reports_a_broken_scorer(tmp_path: Path, capsys: pytest.CaptureFix
     assert main([f"{env_file}:Lenient", "--n", "2"]) == 1
     captured = capsys.readouterr()
     assert "PROBLEM" in captured.out
+    assert "FAIL(exception: ValueError: empty)" in captured.out  # labelled like every failure kind
     assert "wrong answer '" in captured.err and "scored 1" in captured.err
-    assert "failed: exception: ValueError: empty" in captured.err or "ValueError: empty" in captured.err
+    assert "scoring wrong answer '' failed: exception: ValueError: empty" in captured.err
+
+
+def test_check_flags_are_the_recipe_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    brevity = f"{ROOT}/examples/my_env.py:brevity"
+    args = ["arithmetic", "--n=2", "--reward-funcs", brevity, "--reward-weights", "0.1", "--seed", "3"]
+    assert main([*args, "--score-timeout-seconds", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: 2 prompts" in out and "1.1" in out  # env reward 1 + 0.1 × brevity 1
+    assert main(["arithmetic", "--n", "0"]) == 2
+    assert "greater than or equal to 1" in capsys.readouterr().err
+    assert main(["arithmetic", "--reward-funcs", "answer_tags", "--reward-weights", "1,2"]) == 2
+    assert "2 reward_weights for 1 reward_funcs" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as help_exit:
+        main(["--help"])
+    assert help_exit.value.code == 0
+    help_text = capsys.readouterr().out
+    for flag in (
+        "SPEC",
+        "-n",
+        "--split",
+        "--env-arg",
+        "--env-args",
+        "--reward-funcs",
+        "--score-timeout-seconds",
+    ):
+        assert flag in help_text
+    assert "Prompts to sample and check." in help_text  # generated from the field descriptions
+
+
+def test_check_eval_split_serves_each_prompt_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["arithmetic", "--split", "eval", "--eval-size", "3", "--n", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: 3 prompts" in out and "the eval split holds 3 prompts" in out
 
 
 def test_check_via_module_entry_point() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.env", "check", "arithmetic", "--n", "2"],
+        [
+            sys.executable,
+            "-m",
+            "services.env",
+            "check",
+            "examples/my_env.py:CountLettersEnv",
+            "--n",
+            "2",
+            *LETTER,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

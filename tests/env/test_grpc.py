@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 from grpo.common.v1 import types_pb2
 from grpo.env.v1 import env_pb2, env_pb2_grpc
 from services.common.clients import open_channel
 from services.common.serve import start_server
 from services.env.config import EnvSettings
-from services.env.server import SERVICE_NAME, EnvApp
+from services.env.server import EnvApp
 
 FAULTY = str(Path(__file__).parent / "faulty_envs.py")
+SERVICE_NAME = "grpo.env.v1.EnvironmentService"
 T = 30.0  # deadline of every test RPC
 
 
-async def serve(**overrides) -> AsyncIterator[env_pb2_grpc.EnvironmentServiceStub]:
+async def serve(
+    **overrides,
+) -> AsyncIterator[tuple[env_pb2_grpc.EnvironmentServiceStub, health_pb2_grpc.HealthStub]]:
     settings = EnvSettings(port=0, **overrides)
     running = await start_server(EnvApp(settings), settings)
     channel = open_channel(running.address)
@@ -35,6 +40,10 @@ async def serve(**overrides) -> AsyncIterator[env_pb2_grpc.EnvironmentServiceStu
 async def arithmetic():
     async for stubs in serve(spec="arithmetic"):
         yield stubs
+
+
+def test_service_names_come_from_the_contract() -> None:
+    assert EnvApp.service_names == (SERVICE_NAME,)
 
 
 def group(prompt: types_pb2.Prompt, *texts: str) -> env_pb2.ScoreCompletionsRequest:
@@ -153,3 +162,39 @@ async def test_assign_value_policy() -> None:
         assert list(scored.rewards) == [1.0, 0.25]
         assert not scored.skip_group and scored.failed_count == 1
         assert scored.reward_infos[1].details["failure_kind"] == "non_finite"
+
+
+async def test_eval_serves_each_prompt_once_and_never_wraps() -> None:
+    async for stub, _ in serve(spec="arithmetic", eval_size=64):
+        with capture_logs() as logs:
+            asked = env_pb2.SamplePromptsRequest(n=200, split=env_pb2.SPLIT_EVAL, start=0)
+            served = await stub.SamplePrompts(asked, timeout=T)
+        assert [p.id for p in served.prompts] == [f"arithmetic-eval-{i}" for i in range(64)]
+        assert served.next_position == 64
+        [warning] = [e for e in logs if e["log_level"] == "warning"]
+        assert (warning["asked"], warning["served"], warning["eval_size"]) == (200, 64, 64)
+
+        tail = await stub.SamplePrompts(
+            env_pb2.SamplePromptsRequest(n=10, split=env_pb2.SPLIT_EVAL, start=60), timeout=T
+        )
+        assert [p.id for p in tail.prompts] == [f"arithmetic-eval-{i}" for i in range(60, 64)]
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the cursor is at the end: no wrap-around
+            await stub.SamplePrompts(env_pb2.SamplePromptsRequest(n=1, split=env_pb2.SPLIT_EVAL), timeout=T)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "start=0" in err.value.details()
+
+        state = await stub.GetEnvironmentState(env_pb2.GetEnvironmentStateRequest(), timeout=T)
+        assert state.eval_position == 64 and state.metrics["env/prompts_sampled.eval"] == 68
+
+
+async def test_finite_train_data_cycles_epochs_with_unique_ids(tmp_path: Path) -> None:
+    rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(6)]
+    data = tmp_path / "tiny.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    async for stub, _ in serve(spec="gsm8k", env_args={"path": str(data), "eval_size": 2}):
+        first = await stub.SamplePrompts(env_pb2.SamplePromptsRequest(n=7), timeout=T)
+        ids = [p.id for p in first.prompts]
+        assert len(set(ids)) == 7 and [i.rsplit("@", 1)[1] for i in ids] == [str(i) for i in range(7)]
+        base = [i.rsplit("@", 1)[0] for i in ids]
+        assert len(set(base[:4])) == 4 and base[4] in base[:4]  # 4 train rows: the 5th prompt starts epoch 1
+        resumed = await stub.SamplePrompts(env_pb2.SamplePromptsRequest(n=3, start=4), timeout=T)
+        assert [p.id for p in resumed.prompts] == ids[4:7] and resumed.next_position == 7

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from services.env.base import GroupResult, Score
 from services.env.builtins.arithmetic import ArithmeticEnv
 from services.env.config import EnvSettings
-from services.env.loader import EnvLoadError, EnvRecipe, load_environment, parse_env_args
-from services.env.rewards import RewardFunctionEnvironment
+from services.env.cursor import PromptCursor
+from services.env.loader import EnvLoadError, EnvRecipe, load_environment, load_recipe, parse_env_args
+from services.env.rewards import RewardFunctionScorer
 
 CUSTOM_ENV = textwrap.dedent(
     """
@@ -67,7 +69,7 @@ def test_builtin_and_import_path() -> None:
 
 async def test_custom_env_from_file_path(env_file: Path) -> None:
     env = load_environment(f"{env_file}:EchoEnv", {"word": "bye"})
-    [prompt] = await env.sample(1)
+    [prompt] = (await PromptCursor(env).take(1, "train")).prompts
     assert prompt.text == "Repeat: bye 0"
     scores = await env.score(prompt, ["bye 0", "hello 0"])
     assert [s.reward for s in scores] == [1.0, 0.0]
@@ -103,17 +105,23 @@ def test_file_errors(env_file: Path, tmp_path: Path) -> None:
         load_environment(f"{faulty}:length_reward")
 
 
-def test_reward_funcs_wrap_the_env() -> None:
+def test_reward_funcs_compose_a_scorer_around_the_env() -> None:
     faulty = Path(__file__).parent / "faulty_envs.py"
     recipe = EnvRecipe(
         "arithmetic", reward_funcs=("answer_tags", f"{faulty}:length_reward"), reward_weights=(0.5, 2)
     )
-    env = load_environment(recipe)
-    assert isinstance(env, RewardFunctionEnvironment) and env.name == "arithmetic"
+    loaded = load_recipe(recipe)
+    assert isinstance(loaded.env, ArithmeticEnv) and loaded.env.name == "arithmetic"
+    assert isinstance(loaded.scorer, RewardFunctionScorer) and loaded.scorer.env is loaded.env
+    assert loaded.scorer.weights == [0.5, 2.0] and loaded.scorer.env_weight == 1.0
+    assert loaded.options_dict()["reward_funcs"] == ["answer_tags", "length_reward"]
+    assert isinstance(load_environment(recipe), ArithmeticEnv)  # the environment alone
+    plain = load_recipe(EnvRecipe("arithmetic"))
+    assert plain.scorer is plain.env and plain.options_dict() == plain.env.options_dict()
     with pytest.raises(EnvLoadError, match="unknown reward function 'tags'"):
-        load_environment(EnvRecipe("arithmetic", reward_funcs=("tags",)))
+        load_recipe(EnvRecipe("arithmetic", reward_funcs=("tags",)))
     with pytest.raises(EnvLoadError, match="1 reward weights for 2 reward functions"):
-        load_environment(
+        load_recipe(
             EnvRecipe("arithmetic", reward_funcs=("answer_tags", "think_answer"), reward_weights=(1,))
         )
 
@@ -131,3 +139,44 @@ def test_settings_recipe(tmp_path: Path, env_file: Path) -> None:
     assert echo.options.seed == 3
     with pytest.raises(ValueError, match="reward_weights"):
         EnvSettings(reward_funcs=["answer_tags"], reward_weights=[1.0, 2.0])
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_existing_env_files_load_and_work_unchanged() -> None:
+    """examples/my_env.py and faulty_envs.py are in the old plug-in style (ClassVar Options, no parameter)."""
+    example = load_recipe(
+        EnvRecipe(
+            f"{ROOT}/examples/my_env.py:CountLettersEnv",
+            env_args={"letter": "s", "words": 3},
+            reward_funcs=(f"{ROOT}/examples/my_env.py:brevity",),
+            reward_weights=(0.5,),
+        )
+    )
+    env = example.env
+    assert type(env).__name__ == "CountLettersEnv" and type(env).Options.__name__ == "CountLettersOptions"
+    assert (env.options.words, env.split_size("train"), env.split_size("eval")) == (3, 0, 50)
+    cursor = PromptCursor(env)
+    prompts = (await cursor.take(4, "train")).prompts + (await cursor.take(2, "eval")).prompts
+    assert [p.id for p in prompts[-2:]] == ["count_letters-eval-0", "count_letters-eval-1"]
+    for prompt in prompts:
+        [ref, *wrong] = await env.score(
+            prompt, [env.reference_completion(prompt), *env.wrong_answers(prompt)]
+        )
+        assert ref.reward == 1.0 and [w.reward for w in wrong] == [0.0, 0.0]
+        combined = await example.scorer.score(prompt, [prompt.reference_answer, "I think it is many."])
+        assert [s.reward for s in combined] == [1.5, 0.0]  # env 1 + 0.5 × brevity 1; env 0 + 0.5 × 0
+    assert env.evaluate([GroupResult(prompts[0], ["3"], [Score(1.0, parsed_answer="3")])]) == {
+        "answered_rate": 1.0
+    }
+
+    faulty = load_environment(f"{ROOT}/tests/env/faulty_envs.py:FaultyEnv")
+    assert type(faulty).Options.__name__ == "FaultyOptions" and faulty.split_size("eval") == 4
+    [prompt] = (await PromptCursor(faulty).take(1, "train")).prompts
+    assert prompt.id == "faulty-train-0"
+    assert await faulty.score(prompt, ["0", "1", "nan"]) == [
+        1.0,
+        0.0,
+        pytest.approx(float("nan"), nan_ok=True),
+    ]

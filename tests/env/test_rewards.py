@@ -9,7 +9,7 @@ import pytest
 from services.env.base import PromptItem, Score
 from services.env.builtins.arithmetic import ArithmeticEnv
 from services.env.rewards import (
-    RewardFunctionEnvironment,
+    RewardFunctionScorer,
     answer_tags,
     call_reward_func,
     combine,
@@ -66,26 +66,62 @@ def test_combine_weights_none_and_failures() -> None:
 
 
 async def test_env_plus_format_reward() -> None:
-    env = RewardFunctionEnvironment(ArithmeticEnv(), [answer_tags], [0.5], source_weight=1.0)
-    assert env.reward_range == (0.0, 1.5)
-    assert env.success_threshold == 1.5
-    [prompt] = await env.sample(1)
+    env = ArithmeticEnv()
+    scorer = RewardFunctionScorer(env, [answer_tags], [0.5], env_weight=1.0)
+    assert scorer.reward_range == (0.0, 1.5)
+    assert scorer.success_threshold == 1.5
+    prompt = env.prompt_at("train", 0)
     answer = prompt.reference_answer
-    scores = await env.score(prompt, [f"<answer>{answer}</answer>", answer, "<answer>nope</answer>"])
-    # The source scores the content of the answer tags; the format reward adds its weight.
+    scores = await scorer.score(prompt, [f"<answer>{answer}</answer>", answer, "<answer>nope</answer>"])
+    # The env scores the content of the answer tags; the format reward adds its weight.
     assert [s.reward for s in scores] == [1.5, 1.0, 0.5]
-    assert env.reference_completion(prompt) == f"<answer>{answer}</answer>"
+    assert (
+        scores[0].details["reward.arithmetic"] == "1.0" and scores[0].details["reward.answer_tags"] == "1.0"
+    )
+    assert scorer.reference_completion(prompt) == f"<answer>{answer}</answer>"
+    assert scorer.wrong_answers(prompt) == env.wrong_answers(prompt)
+    assert scorer.options_dict() == {
+        **env.options_dict(),
+        "reward_funcs": ["answer_tags"],
+        "reward_weights": [0.5],
+        "env_reward_weight": 1.0,
+    }
+
+
+async def test_think_answer_reference_and_threshold() -> None:
+    env = ArithmeticEnv()
+    scorer = RewardFunctionScorer(env, [think_answer, answer_tags], [1.0, 0.0], env_weight=2.0)
+    assert scorer.success_threshold == 3.0 and scorer.reward_range == (0.0, 3.0)
+    prompt = env.prompt_at("eval", 3)
+    reference = scorer.reference_completion(prompt)
+    assert reference == f"<think>Working it out.</think>\n<answer>{prompt.reference_answer}</answer>"
+    assert [s.reward for s in await scorer.score(prompt, [reference])] == [3.0]
+
+
+async def test_env_scorer_setup_only_when_its_reward_counts() -> None:
+    class Counting(ArithmeticEnv):
+        setups = 0
+
+        def setup_scorer(self) -> None:
+            type(self).setups += 1
+
+    RewardFunctionScorer(Counting(), [answer_tags]).setup_scorer()
+    assert Counting.setups == 0
+    RewardFunctionScorer(Counting(), [answer_tags], env_weight=1.0).setup_scorer()
+    assert Counting.setups == 1
 
 
 async def test_functions_only_and_validation() -> None:
     def exact(prompts, completions, answer, **_):
         return [float(c == a) if c else None for c, a in zip(completions, answer, strict=True)]
 
-    env = RewardFunctionEnvironment(ArithmeticEnv(), [exact])
-    [prompt] = await env.sample(1)
-    scores = await env.score(prompt, [prompt.reference_answer, "0", ""])
+    scorer = RewardFunctionScorer(ArithmeticEnv(), [exact])
+    prompt = ArithmeticEnv().prompt_at("train", 0)
+    scores = await scorer.score(prompt, [prompt.reference_answer, "0", ""])
     assert [s.reward for s in scores[:2]] == [1.0, 0.0]
     assert scores[2].failure == "no reward function applied"
     with pytest.raises(ValueError, match="nothing to score with"):
-        RewardFunctionEnvironment(ArithmeticEnv(), [])
-    assert math.isinf(env.reward_range[1])
+        RewardFunctionScorer(ArithmeticEnv(), [])
+    with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
+        RewardFunctionScorer(ArithmeticEnv(), [exact], [1.0, 2.0])
+    assert math.isinf(scorer.reward_range[1])

@@ -97,6 +97,19 @@ async def test_trl_reward_functions_that_raise_hang_or_return_nan() -> None:
             await pool.close()
 
 
+async def test_workers_rebuild_the_composed_scorer_from_the_recipe() -> None:
+    recipe = EnvRecipe("arithmetic", reward_funcs=("answer_tags",), reward_weights=(0.5,))
+    pool = ScoringPool(recipe, workers=1, timeout=10.0)
+    await pool.start()
+    try:
+        assert pool.reward_range == (0.0, 1.5)  # the composite's range, reported by the worker
+        prompt = PromptItem(id="a", text="1+1=", reference_answer="2")
+        scores = await pool.score(prompt, ["<answer>2</answer>", "2", "<answer>3</answer>"])
+        assert [s.reward for s in scores] == [1.5, 1.0, 0.5]  # as RewardFunctionScorer in-process
+    finally:
+        await pool.close()
+
+
 async def test_pool_start_reports_load_errors() -> None:
     pool = ScoringPool(EnvRecipe(f"{FAULTY}:NoSuchEnv"), workers=1)
     with pytest.raises(EnvLoadError, match="has no attribute 'NoSuchEnv'"):

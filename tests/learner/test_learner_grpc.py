@@ -15,8 +15,9 @@ from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.common import weights
 from services.common.clients import open_channel
 from services.common.serve import start_server
-from services.learner.app import LearnerApp
 from services.learner.config import LearnerSettings
+from services.learner.server import LearnerApp
+from services.transports.shared_memory import attach_segment
 
 TIMEOUT = 30.0
 GRPC = types_pb2.WEIGHT_TRANSPORT_KIND_GRPC_STREAM
@@ -29,22 +30,22 @@ def vocab_of(model_dir: Path) -> int:
 
 @pytest.fixture
 async def learner(model_dir, tmp_path):
-    """(stub, app) for a learner on port 0; closed after the test."""
+    """(stub, learner) for a learner service on port 0; closed after the test."""
     settings = LearnerSettings.load(
         model=str(model_dir),
         device="cpu",
         port=0,
-        lr=1e-3,
-        max_prepared_versions=2,
-        checkpoint_dir=tmp_path / "ckpt",
+        optim={"lr": 1e-3},
+        publish={"max_prepared_versions": 2},
+        checkpoint={"dir": tmp_path / "ckpt"},
         grace_seconds=1.0,
     )
     app = LearnerApp(settings)
     running = await start_server(app, settings)
-    assert app.bound_port == running.port
+    assert app.learner.bound_port == running.port
     channel = open_channel(running.address)
     try:
-        yield learner_pb2_grpc.LearnerServiceStub(channel), app
+        yield learner_pb2_grpc.LearnerServiceStub(channel), app.learner
     finally:
         await channel.close()
         await running.close()
@@ -124,6 +125,7 @@ async def test_grpc_stream_weights_reassemble_and_verify(learner, model_dir):
     wv = response.weight_version
     assert wv.version == 1 and wv.WhichOneof("transport") == "grpc_stream"
     assert wv.grpc_stream.address == f"127.0.0.1:{app.bound_port}"
+    assert wv.grpc_stream.chunk_bytes == 1 << 20
     manifest = weights.manifest_from_proto(wv)
     buffer = await fetch_all(stub, wv)
     weights.verify_buckets(memoryview(buffer), manifest.buckets)
@@ -146,7 +148,7 @@ async def test_shared_memory_segment_readable_and_unlinked_on_release(learner):
     wv = response.weight_version
     assert wv.WhichOneof("transport") == "shared_memory" and wv.shared_memory.size == wv.total_bytes
     manifest = weights.manifest_from_proto(wv)
-    segment = weights.attach_segment(wv.shared_memory.segment_name)
+    segment = attach_segment(wv.shared_memory.segment_name)
     try:
         weights.verify_buckets(segment.buf, manifest.buckets)
         name, tensor = next(weights.iter_tensors(segment.buf, manifest.tensors))
@@ -266,7 +268,7 @@ async def test_score_tokens_matches_direct_log_softmax(learner, model_dir):
 
 async def test_stop_checkpoints_and_a_new_learner_resumes(model_dir, tmp_path):
     settings = LearnerSettings.load(
-        model=str(model_dir), device="cpu", port=0, checkpoint_dir=tmp_path, grace_seconds=1.0
+        model=str(model_dir), device="cpu", port=0, checkpoint={"dir": tmp_path}, grace_seconds=1.0
     )
     app = LearnerApp(settings)
     running = await start_server(app, settings)
@@ -274,15 +276,16 @@ async def test_stop_checkpoints_and_a_new_learner_resumes(model_dir, tmp_path):
     stub = learner_pb2_grpc.LearnerServiceStub(channel)
     await stub.TrainStep(learner_pb2.TrainStepRequest(batch=make_batch(vocab_of(model_dir))), timeout=TIMEOUT)
     await stub.PrepareWeights(learner_pb2.PrepareWeightsRequest(transport=SHM), timeout=TIMEOUT)
-    segment_name = app.store.get(1).segment_name
+    segment_name = app.learner.store.get(1).segment_name
     await channel.close()
     await running.close()  # what SIGTERM does: checkpoint + free prepared versions
     with pytest.raises(FileNotFoundError):
         shared_memory.SharedMemory(name=segment_name)
 
-    resumed = LearnerApp(settings.model_copy(update={"resume": True}))
+    resume = settings.checkpoint.model_copy(update={"resume": True})
+    resumed = LearnerApp(settings.model_copy(update={"checkpoint": resume}))
     running = await start_server(resumed, settings)
     try:
-        assert (resumed.trainer.weight_version, resumed.trainer.last_batch_id) == (1, "b0")
+        assert (resumed.learner.trainer.weight_version, resumed.learner.trainer.last_batch_id) == (1, "b0")
     finally:
         await running.close()

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from services.learner.losses import LossConfig, LossStats, Norm, kl_per_token, policy_loss
+from services.learner.config import LossConfig
+from services.learner.losses import LossStats, Norm, kl_per_token, policy_loss
 
 LN = math.log
 
@@ -64,7 +65,7 @@ def test_dapo_global_token_mean_and_clip_higher():
 
 def test_gspo_sequence_geometric_mean_ratio():
     # s0 = sqrt(1·1.25) ≈ 1.118 (inside [0.8, 1.2]); s1 = 1.25 with Â<0 (unclipped branch is the min)
-    out, grad = run(LossConfig(kind="gspo", eps_low=0.2, eps_high=0.2))
+    out, grad = run(LossConfig(kind="gspo", clip_eps_low=0.2, clip_eps_high=0.2))
     s0 = math.sqrt(1.25)
     assert out.loss.item() == pytest.approx((-s0 + 1.25) / 2)
     # ds_i/dlogp_it = s_i/|o_i|; ℓ_i = −s_i·Â_i; then / N_seq
@@ -73,7 +74,7 @@ def test_gspo_sequence_geometric_mean_ratio():
 
 
 def test_gspo_sequence_clip_zeroes_the_whole_sequence_gradient():
-    out, grad = run(LossConfig(kind="gspo", eps_low=0.05, eps_high=0.05))
+    out, grad = run(LossConfig(kind="gspo", clip_eps_low=0.05, clip_eps_high=0.05))
     # s0 ≈ 1.118 > 1.05 with Â>0: clipped → no gradient on either token of row 0
     assert grad[0].abs().sum().item() == 0.0
     assert out.stats["clipped"] == 2.0  # counted per token of the clipped sequence
@@ -86,7 +87,9 @@ def test_cispo_detached_is_weight_every_token_has_gradient():
     torch.testing.assert_close(
         grad, torch.tensor([[-1 / 3, -1.25 / 3], [1.25 / 3, 0.0]], dtype=torch.float64)
     )
-    out, grad = run(LossConfig(kind="cispo", eps_low=0.2, eps_high=0.2))  # weight capped at 1.2, grad kept
+    out, grad = run(
+        LossConfig(kind="cispo", clip_eps_low=0.2, clip_eps_high=0.2)
+    )  # weight capped at 1.2, grad kept
     torch.testing.assert_close(grad, torch.tensor([[-1 / 3, -1.2 / 3], [1.2 / 3, 0.0]], dtype=torch.float64))
     assert out.stats["clipped"] == 2.0
 
@@ -138,7 +141,7 @@ def test_ratio_exactly_at_clip_boundary_is_not_clipped_and_keeps_gradient():
         torch.zeros(1, 1, dtype=torch.float64),
         torch.ones(1, 1, dtype=torch.float64),
         torch.tensor([1.0], dtype=torch.float64),
-        LossConfig(kind="grpo", eps_low=0.0, eps_high=0.0),
+        LossConfig(kind="grpo", clip_eps_low=0.0, clip_eps_high=0.0),
         Norm(1, 1),
     )
     out.loss.backward()
@@ -216,7 +219,9 @@ def test_micro_batches_sum_to_the_full_batch(kind, kl_beta):
     ref = logp.detach() + 0.1 * torch.randn(rows, cols, generator=gen, dtype=torch.float64)
     adv = torch.randn(rows, generator=gen, dtype=torch.float64)
     norm = Norm(rows, int(mask.sum()))
-    cfg = LossConfig(kind=kind, kl_beta=kl_beta, max_completion_len=cols, eps_low=0.2, eps_high=0.25)
+    cfg = LossConfig(
+        kind=kind, kl_beta=kl_beta, max_completion_len=cols, clip_eps_low=0.2, clip_eps_high=0.25
+    )
     full = policy_loss(logp, behav, mask, adv, cfg, norm, ref)
     full.loss.backward()
     full_grad = logp.grad.clone()
@@ -241,7 +246,9 @@ def test_micro_batches_sum_to_the_full_batch(kind, kl_beta):
 
 
 def test_unknown_loss_and_bad_options_are_rejected():
-    with pytest.raises(ValueError, match="unknown loss"):
+    with pytest.raises(ValueError, match="'grpo', 'dr_grpo', 'dapo', 'gspo' or 'cispo'"):
         LossConfig(kind="ppo")
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        LossConfig(tis_cap=-1.0)
     with pytest.raises(ValueError, match="IcePop"):
         LossConfig(icepop_low=2.0, icepop_high=1.0)

@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from services.common.advantages import LossKind
 from services.learner.batching import Sample, collate, plan_micro_batches
 from services.learner.checkpoint import list_checkpoints
-from services.learner.losses import LOSSES, LossConfig
-from services.learner.model import LoraOptions
-from services.learner.trainer import OptimOptions, Trainer, TrainerOptions, lr_factor
+from services.learner.config import (
+    CheckpointConfig,
+    LearnerSettings,
+    LoraConfig,
+    LossConfig,
+    OptimConfig,
+    PublishConfig,
+)
+from services.learner.trainer import Trainer, lr_factor
 
 
 def make_trainer(model_dir: Path, **kwargs) -> Trainer:
-    return Trainer(TrainerOptions(model=str(model_dir), device="cpu", **kwargs))
+    """A Trainer on `model_dir` with LearnerSettings sections given as keyword arguments."""
+    return Trainer(LearnerSettings(model=str(model_dir), device="cpu", **kwargs))
 
 
 def grads(trainer: Trainer) -> list[torch.Tensor]:
@@ -52,7 +59,7 @@ def test_collate_aligns_completion_positions_with_the_predicting_logits():
 def test_grad_accumulation_equals_one_big_batch_for_every_objective(micro_model_dir, kl_beta, make_samples):
     trainer = make_trainer(micro_model_dir, loss=LossConfig(kl_beta=kl_beta))
     samples = make_samples(9, seed=1)
-    for kind in LOSSES:
+    for kind in LossKind:
         trainer.loss_cfg = LossConfig(kind=kind, kl_beta=kl_beta, max_completion_len=7)
         trainer.optimizer.zero_grad(set_to_none=True)
         big = trainer.accumulate_gradients(samples, token_budget=10_000)
@@ -69,9 +76,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(micro_model_dir, make_s
     samples = make_samples(4, seed=3)
     results = []
     for checkpointing in (False, True):
-        trainer = make_trainer(
-            micro_model_dir, gradient_checkpointing=checkpointing, lora=LoraOptions(rank=2)
-        )
+        trainer = make_trainer(micro_model_dir, gradient_checkpointing=checkpointing, lora=LoraConfig(rank=2))
         trainer.accumulate_gradients(samples)
         results.append(grads(trainer))
     for a, b in zip(*results, strict=True):
@@ -79,7 +84,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(micro_model_dir, make_s
 
 
 def test_positive_advantage_raises_the_sequence_logprob(micro_model_dir):
-    trainer = make_trainer(micro_model_dir, loss=LossConfig(kind="dapo"), optim=OptimOptions(lr=1e-2))
+    trainer = make_trainer(micro_model_dir, loss=LossConfig(kind="dapo"), optim=OptimConfig(lr=1e-2))
     prompt, completion = [3, 4, 5], [6, 7, 8]
     before = sum(trainer.score(prompt, completion, 1.0))
     behav = tuple(trainer.score(prompt, completion, 1.0))
@@ -117,8 +122,8 @@ def test_full_export_has_hf_names_and_tied_lm_head(micro_model_dir):
 
 
 def test_lora_merged_export_equals_peft_forward(micro_model_dir, make_samples):
-    lora = LoraOptions(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
-    trainer = make_trainer(micro_model_dir, lora=lora, optim=OptimOptions(lr=5e-2))
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    trainer = make_trainer(micro_model_dir, lora=lora, optim=OptimConfig(lr=5e-2))
     for step in range(2):  # move LoRA B away from its zero init
         trainer.train_step(make_samples(4, seed=step), f"b{step}")
     state = trainer.export()
@@ -139,7 +144,9 @@ def test_lora_merged_export_equals_peft_forward(micro_model_dir, make_samples):
 
 
 def test_adapter_only_export(micro_model_dir):
-    trainer = make_trainer(micro_model_dir, lora=LoraOptions(rank=2), export_format="adapter")
+    trainer = make_trainer(
+        micro_model_dir, lora=LoraConfig(rank=2), publish=PublishConfig(export_format="adapter")
+    )
     state = trainer.export()
     assert state and all("lora_" in k for k in state)
 
@@ -151,24 +158,24 @@ def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("lora", [LoraOptions(), LoraOptions(rank=4, dropout=0.2)])
+@pytest.mark.parametrize("lora", [LoraConfig(), LoraConfig(rank=4, dropout=0.2)])
 def test_resume_equals_uninterrupted_run(micro_model_dir, tmp_path, lora, make_samples):
     batches = [make_samples(5, seed=10 + i) for i in range(4)]
     opts = {
         "lora": lora,
         "loss": LossConfig(kind="dapo"),
-        "optim": OptimOptions(lr=1e-2, warmup_steps=2, schedule="cosine", total_steps=6, weight_decay=0.01),
+        "optim": OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", total_steps=6, weight_decay=0.01),
     }
     straight = make_trainer(micro_model_dir, **opts)
     for i, batch in enumerate(batches):
         straight.train_step(batch, f"b{i}")
 
-    first = make_trainer(micro_model_dir, checkpoint_dir=tmp_path, checkpoint_every=0, **opts)
+    first = make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path), **opts)
     for i, batch in enumerate(batches[:2]):
         first.train_step(batch, f"b{i}")
-    first.save_checkpoint()  # what app.stop does on SIGTERM
+    first.save_checkpoint()  # what Learner.stop does on SIGTERM
     del first
-    resumed = make_trainer(micro_model_dir, checkpoint_dir=tmp_path, resume=True, **opts)
+    resumed = make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path, resume=True), **opts)
     assert (resumed.step, resumed.weight_version, resumed.last_batch_id) == (2, 2, "b1")
     for i, batch in enumerate(batches[2:], start=2):
         outcome = resumed.train_step(batch, f"b{i}")
@@ -181,7 +188,7 @@ def test_resume_equals_uninterrupted_run(micro_model_dir, tmp_path, lora, make_s
 
 
 def test_periodic_checkpoints_are_atomic_and_pruned(micro_model_dir, tmp_path, make_samples):
-    trainer = make_trainer(micro_model_dir, checkpoint_dir=tmp_path, checkpoint_every=1, checkpoint_keep=2)
+    trainer = make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path, every=1, keep=2))
     for i in range(3):
         trainer.train_step(make_samples(2, seed=i), f"b{i}")
     names = [p.name for p in list_checkpoints(tmp_path)]
@@ -191,7 +198,7 @@ def test_periodic_checkpoints_are_atomic_and_pruned(micro_model_dir, tmp_path, m
 
 
 def test_resume_without_checkpoint_starts_fresh(micro_model_dir, tmp_path):
-    trainer = make_trainer(micro_model_dir, checkpoint_dir=tmp_path, resume=True)
+    trainer = make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path, resume=True))
     assert trainer.weight_version == 0
 
 
@@ -199,10 +206,10 @@ def test_resume_without_checkpoint_starts_fresh(micro_model_dir, tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine():
-    optim = OptimOptions(warmup_steps=2, schedule="cosine", total_steps=6, min_lr_ratio=0.1)
+    optim = OptimConfig(warmup_steps=2, schedule="cosine", total_steps=6, min_lr_ratio=0.1)
     factors = [lr_factor(s, optim) for s in range(7)]
     assert factors[:2] == [0.5, 1.0]
     assert factors[2] == pytest.approx(1.0)
     assert factors[4] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine
     assert factors[6] == pytest.approx(0.1)
-    assert lr_factor(5, replace(optim, schedule="constant")) == 1.0
+    assert lr_factor(5, optim.model_copy(update={"schedule": "constant"})) == 1.0

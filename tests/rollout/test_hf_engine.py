@@ -9,13 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.errors import FailedPrecondition
+from services.rollout.config import RolloutSettings
 from services.rollout.engine import FINISH_LENGTH, FINISH_STOP, Sampling
-from services.rollout.hf_engine import HfEngine, HfOptions, _Row
+from services.rollout.hf_engine import HfEngine, _Row
 
 
 @pytest.fixture
 async def engine(tiny_model_dir: Path):
-    eng = HfEngine(HfOptions(model=str(tiny_model_dir), max_model_len=128, max_batch_size=16, num_threads=1))
+    settings = RolloutSettings(
+        model=str(tiny_model_dir), max_model_len=128, hf={"max_batch_size": 16, "num_threads": 1}
+    )
+    eng = HfEngine(settings)
     await eng.start()
     yield eng
     await eng.stop()
@@ -73,3 +78,16 @@ async def test_seeded_samples_differ_by_index_and_repeat_across_calls(engine: Hf
     second = {c.index: c.token_ids for c in await _collect(engine, [3, 4], sampling, "b")}
     assert first == second
     assert len(set(first.values())) > 1
+
+
+async def test_context_length_defaults_to_the_models_own_limit(tiny_model_dir: Path) -> None:
+    derived = HfEngine(RolloutSettings(model=str(tiny_model_dir), hf={"num_threads": 1}))
+    await derived.start()
+    try:
+        assert derived.max_model_len == 512  # the tiny model's max_position_embeddings
+    finally:
+        await derived.stop()
+    too_long = HfEngine(RolloutSettings(model=str(tiny_model_dir), max_model_len=2048))
+    with pytest.raises(FailedPrecondition, match="exceeds the model's 512 positions"):
+        await too_long.start()
+    await too_long.stop()

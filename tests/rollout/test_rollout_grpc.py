@@ -11,6 +11,7 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
+from transports.support import Packed, WeightsServer, model_with_state, perturbed_state, reference_logprobs
 
 from grpo.common.v1 import types_pb2
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -19,15 +20,13 @@ from services.common.serve import start_server
 from services.rollout.config import RolloutSettings
 from services.rollout.server import RolloutApp
 
-from .weights_support import Packed, WeightsServer, model_with_state, perturbed_state, reference_logprobs
-
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TIMEOUT = 60.0
 
 
 def settings_for(model_dir: Path, **overrides) -> RolloutSettings:
     base = dict(
-        model=str(model_dir), engine="transformers", port=0, max_model_len=256, hf_num_threads=1,
+        model=str(model_dir), engine="transformers", port=0, max_model_len=256, hf={"num_threads": 1},
         rollout_id="hf-test", max_in_flight=4,
     )  # fmt: skip
     return RolloutSettings.load(**{**base, **overrides})

@@ -10,11 +10,10 @@ import torch
 from services.common.errors import InvalidArgument
 from services.rollout.engine import Sampling, VersionSpan
 from services.rollout.hf_engine import processed_logprobs
+from services.rollout.spans import check_spans, spans_from_labels
 from services.rollout.validation import (
     PromptInput,
-    check_spans,
     normalize_sampling,
-    spans_from_labels,
     validate_prompt,
     validate_sampling,
     validate_score_request,

@@ -24,12 +24,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from transports.support import Packed, WeightsServer, model_with_state, perturbed_state, reference_logprobs
 
 from grpo.common.v1 import types_pb2
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.clients import open_channel
-
-from .weights_support import Packed, WeightsServer, model_with_state, perturbed_state, reference_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +45,7 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     port_file, log_path = work / "port", work / "server.log"
     command = [
         sys.executable, "-m", "services.rollout", "--engine", "vllm", "--model", str(tiny_model_dir),
-        "--dtype", "float32", "--max-model-len", "512", "--kv-cache-space-gib", "1", "--max-num-seqs", "32",
+        "--dtype", "float32", "--vllm.kv-cache-space-gib", "1", "--vllm.max-num-seqs", "32",
         "--rollout-id", "vllm-test", "--port", "0", "--port-file", str(port_file), "--grace-seconds", "1",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grpo.common.v1 import types_pb2
+from services.scheduler.clients import ScoredGroup
 from services.scheduler.policy import (
     RolloutSlot,
     build_train_batch,
@@ -60,14 +61,14 @@ def test_pick_rollout_least_loaded_fresh_and_healthy() -> None:
     assert pick_rollout(full, 5, 1) is None
 
 
-def test_build_train_batch_fills_advantages_per_group() -> None:
+def test_build_train_batch_computes_advantages_over_the_batch() -> None:
     groups = [
-        types_pb2.ScoredGroup(group_id="g0", rewards=[1.0, 0.0, 1.0, 0.0]),
-        types_pb2.ScoredGroup(group_id="g1", rewards=[1.0, 1.0, 1.0, 1.0], advantages=[9, 9, 9, 9]),
+        ScoredGroup("g0", types_pb2.Prompt(id="p0"), [], rewards=[1.0, 0.0, 1.0, 0.0]),
+        ScoredGroup("g1", types_pb2.Prompt(id="p1"), [], rewards=[1.0, 1.0, 1.0, 1.0]),
     ]
     batch = build_train_batch(groups, step=7, batch_id="b7", advantage_mode="group_std")
-    assert (batch.step, batch.batch_id) == (7, "b7")
-    assert list(batch.groups[0].advantages) == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)
-    assert list(batch.groups[1].advantages) == [0.0, 0.0, 0.0, 0.0]  # zero variance: no signal, no blow-up
+    assert (batch.step, batch.batch_id, batch.groups) == (7, "b7", groups)
+    assert batch.advantages[0] == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)
+    assert batch.advantages[1] == [0.0, 0.0, 0.0, 0.0]  # zero variance: no signal, no blow-up
     dr = build_train_batch(groups, step=0, batch_id="b", advantage_mode="group_mean")
-    assert list(dr.groups[0].advantages) == pytest.approx([0.5, -0.5, 0.5, -0.5])
+    assert dr.advantages[0] == pytest.approx([0.5, -0.5, 0.5, -0.5])

@@ -106,27 +106,22 @@ def problem_at(options: ArithmeticOptions, split: str, index: int) -> tuple[str,
     return make_problem(_problem_rng(options.seed, split, index), options)
 
 
-class ArithmeticEnv(Environment):
+class ArithmeticEnv(Environment[ArithmeticOptions]):
     """Procedural integer arithmetic; the eval split is the first `eval_size` problems of its own stream."""
 
     name: ClassVar[str] = "arithmetic"
     description: ClassVar[str] = "Procedural integer arithmetic ('37+45=' -> '82'), exact-match reward."
-    Options: ClassVar[type[BaseModel]] = ArithmeticOptions
     reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
-    def __init__(self, options: ArithmeticOptions | None = None) -> None:
-        super().__init__(options)
-        self.opts: ArithmeticOptions = self.options  # type: ignore[assignment]
-
     def split_size(self, split: SplitName) -> int:
-        return 0 if split == "train" else self.opts.eval_size
+        return 0 if split == "train" else self.options.eval_size
 
     def prompt_at(self, split: SplitName, index: int) -> PromptItem:
-        text, answer = problem_at(self.opts, split, index)
+        text, answer = problem_at(self.options, split, index)
         return PromptItem(id=f"arithmetic-{split}-{index}", text=text, reference_answer=answer)
 
     def score_one(self, prompt: PromptItem, completion: str) -> Score:
-        reward, parsed = score_answer(completion, prompt.reference_answer, self.opts.partial_credit)
+        reward, parsed = score_answer(completion, prompt.reference_answer, self.options.partial_credit)
         details = {} if parsed is not None else {"reason": "no leading integer"}
         return Score(reward=reward, parsed_answer=parsed or "", details=details)
 

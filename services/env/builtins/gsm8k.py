@@ -14,6 +14,7 @@ compared numerically with the gold number (|a - b| <= 1e-6). Reward 1.0 if equal
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
@@ -109,26 +110,23 @@ def score_gsm8k(completion: str, gold: str) -> tuple[float, str, str]:
     return (1.0 if abs(number - float(gold)) <= 1e-6 else 0.0), f"{number:g}", method
 
 
-class Gsm8kEnv(Environment):
+class Gsm8kEnv(Environment[Gsm8kOptions]):
     """GSM8K from a local file or the HF hub; reward 1.0 when the final answer equals the gold number."""
 
     name: ClassVar[str] = "gsm8k"
     description: ClassVar[str] = "GSM8K grade-school math; final answer after '####', math-verify scoring."
-    Options: ClassVar[type[BaseModel]] = Gsm8kOptions
     reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
     def __init__(self, options: Gsm8kOptions | None = None) -> None:
         super().__init__(options)
-        self.opts: Gsm8kOptions = self.options  # type: ignore[assignment]
+        # The data, loaded by setup() (service) — not a cursor: positions live in the service's PromptCursor.
         self._rows: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
 
     async def setup(self) -> None:
-        import asyncio
-
         await asyncio.to_thread(self._load)
 
     def _load(self) -> None:
-        o = self.opts
+        o = self.options
         if o.path is None:
             train, evaluation = _load_hf(o.dataset, o.dataset_config)
         else:
@@ -155,7 +153,7 @@ class Gsm8kEnv(Environment):
 
     def prompt_at(self, split: SplitName, index: int) -> PromptItem:
         row = self._rows[split][index]
-        o = self.opts
+        o = self.options
         content = f"{row[o.question_field]}\n{o.instruction}".strip()
         answer = gold_answer(str(row[o.answer_field]))
         prompt_id = f"gsm8k-{split}-{index}"

@@ -13,7 +13,8 @@ for <answer> tags) unless `system_prompt` says otherwise.
 
 from __future__ import annotations
 
-from functools import cached_property
+import asyncio
+from functools import cache, cached_property
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,29 +46,30 @@ class ReasoningGymOptions(BaseModel):
     )
 
 
-class ReasoningGymEnv(Environment):
-    """One reasoning-gym task; reward = the task's own `score_answer` (0..1)."""
+class ReasoningGymEnv(Environment[ReasoningGymOptions]):
+    """One reasoning-gym task; reward = the task's own `score_answer` (0..1).
+
+    Each task is its own environment class, named "reasoning_gym:<task>" (the name prompts carry and
+    the train shuffle is keyed by): `task_environment(task)` makes it; the loader uses that.
+    """
 
     name: ClassVar[str] = "reasoning_gym"
     description: ClassVar[str] = "A reasoning-gym procedural task, scored by its own verifier."
-    Options: ClassVar[type[BaseModel]] = ReasoningGymOptions
     reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
     def __init__(self, options: ReasoningGymOptions) -> None:
         super().__init__(options)
-        self.opts: ReasoningGymOptions = options
         from reasoning_gym.factory import DATASETS
 
         if options.task not in DATASETS:
             known = ", ".join(sorted(DATASETS))
             raise ValueError(f"unknown reasoning_gym task {options.task!r}; known tasks: {known}")
-        self.name = f"reasoning_gym:{options.task}"  # type: ignore[misc]
 
     @cached_property
     def _datasets(self) -> dict[str, Any]:
         import reasoning_gym
 
-        o = self.opts
+        o = self.options
         return {
             "train": reasoning_gym.create_dataset(o.task, seed=o.seed, size=o.size, **o.task_config),
             "eval": reasoning_gym.create_dataset(
@@ -76,15 +78,13 @@ class ReasoningGymEnv(Environment):
         }
 
     async def setup(self) -> None:
-        import asyncio
-
         await asyncio.to_thread(lambda: self._datasets)
 
     def setup_scorer(self) -> None:
         _ = self._datasets
 
     def split_size(self, split: SplitName) -> int:
-        return self.opts.size if split == "train" else self.opts.eval_size
+        return self.options.size if split == "train" else self.options.eval_size
 
     def _entry(self, split: str, index: int) -> dict[str, Any]:
         return self._datasets[split][index]
@@ -94,18 +94,22 @@ class ReasoningGymEnv(Environment):
         metadata = {"split": split, "index": str(index)}
         prompt_id = f"{self.name}-{split}-{index}"
         answer = "" if entry.get("answer") is None else str(entry["answer"])
-        if not self.opts.chat:
+        if not self.options.chat:
             return PromptItem(
                 id=prompt_id, text=entry["question"], reference_answer=answer, metadata=metadata
             )
         from reasoning_gym.utils import SYSTEM_PROMPTS
 
-        system = self.opts.system_prompt if self.opts.system_prompt is not None else SYSTEM_PROMPTS["default"]
+        system = (
+            self.options.system_prompt
+            if self.options.system_prompt is not None
+            else SYSTEM_PROMPTS["default"]
+        )
         messages = ({"role": "system", "content": system}, {"role": "user", "content": entry["question"]})
         return PromptItem(id=prompt_id, messages=messages, reference_answer=answer, metadata=metadata)
 
     def _answer(self, completion: str) -> str:
-        if self.opts.answer_extraction == "answer_tags":
+        if self.options.answer_extraction == "answer_tags":
             tagged = extract_answer_tag(completion)
             if tagged is not None:
                 return tagged
@@ -122,9 +126,16 @@ class ReasoningGymEnv(Environment):
         return Score(reward=reward, parsed_answer=answer[:200])
 
     def reference_completion(self, prompt: PromptItem) -> str:
-        if self.opts.answer_extraction == "answer_tags":
+        if self.options.answer_extraction == "answer_tags":
             return f"<answer>{prompt.reference_answer}</answer>"
         return prompt.reference_answer
 
     def wrong_answers(self, prompt: PromptItem) -> list[str]:
         return ["<answer>definitely not the answer</answer>", ""]
+
+
+@cache
+def task_environment(task: str) -> type[ReasoningGymEnv]:
+    """The environment class of one reasoning-gym task, named "reasoning_gym:<task>" (one per task and
+    process, so the same spec always gives the same class)."""
+    return type(f"ReasoningGymEnv[{task}]", (ReasoningGymEnv,), {"name": f"reasoning_gym:{task}"})

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from services.env.builtins.arithmetic import ArithmeticOptions, make_problem
+
 EOS = "<|endoftext|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -31,8 +33,6 @@ _ENGLISH = (
 
 
 def _corpus(seed: int, n: int = 4000) -> list[str]:
-    from services.env.builtins.arithmetic import ArithmeticOptions, make_problem
-
     rng = random.Random(seed)
     options = ArithmeticOptions(digits=3, terms=3, operators="+-*")
     lines = [_ENGLISH] * 20
@@ -89,8 +89,6 @@ def warm_start(
     model, tokenizer, steps: int, seed: int, batch_size: int = 64, lr: float = 3e-3, options=None
 ) -> float:
     """Supervised steps on arithmetic answers (loss on answer+EOS tokens only). Returns final loss."""
-    from services.env.builtins.arithmetic import ArithmeticOptions, make_problem
-
     rng = random.Random(seed + 1)
     options = options or ArithmeticOptions()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -139,8 +137,6 @@ def build_tiny_model(
     `task` holds the arithmetic options used for the warm start (default: `DEMO_TASK`).
     """
     from transformers import Qwen2ForCausalLM
-
-    from services.env.builtins.arithmetic import ArithmeticOptions
 
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():

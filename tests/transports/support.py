@@ -1,7 +1,8 @@
-"""Test support: reference logprobs, perturbed state_dicts, and a small REAL FetchWeights server.
+"""Test support for weights in flight: packed state_dicts, a small REAL FetchWeights server,
+perturbed state_dicts and reference logprobs (used by tests/transports and tests/rollout).
 
 `WeightsServer` is a genuine gRPC LearnerService that serves FetchWeights from a state_dict packed
-with services/common/weights.py (the learner's packing code), so the rollout's grpc_stream path is
+with services/common/weights.py (the learner's packing code), so the grpc_stream rollout half is
 exercised end to end without depending on the learner service package.
 """
 
@@ -15,8 +16,9 @@ import torch
 from grpo.common.v1 import types_pb2
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.common import weights as W
+from services.common.clients import grpc_options
 from services.common.config import CONTROL_MESSAGE_BYTES
-from services.common.serve import grpc_options
+from services.transports.shared_memory import create_segment
 
 
 def perturbed_state(model: torch.nn.Module, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
@@ -63,7 +65,7 @@ class Packed:
         return message
 
     def to_segment(self, name: str):
-        segment = W.create_segment(name, len(self.data))
+        segment = create_segment(name, len(self.data))
         segment.buf[: len(self.data)] = self.data
         return segment
 

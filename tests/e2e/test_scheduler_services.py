@@ -1,6 +1,7 @@
-"""The scheduler driving real services in-process: env, learner and two transformers-engine rollouts.
+"""The scheduler driving real services in-process over gRPC: env, learner and two transformers-engine
+rollouts (the orchestration logic itself is tested with in-memory peers in tests/scheduler).
 
-Checks the orchestration contract end to end over real gRPC (vLLM is covered in tests/e2e):
+Checks the orchestration contract end to end over real gRPC (the vLLM path: test_e2e_vllm.py):
 versions advance by one per step, alignment is measured after every sync, the status RPC tells the
 truth, bad requests get INVALID_ARGUMENT, and a rollout that dies mid-run costs no group.
 """
@@ -17,15 +18,15 @@ import pytest
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.clients import open_channel
 from services.common.serve import RunningServer, start_server
-from services.common.tiny_model import DEMO_TASK
 from services.env.config import EnvSettings
 from services.env.server import EnvApp
-from services.learner.app import LearnerApp
+from services.launch.tiny_model import DEMO_TASK
 from services.learner.config import LearnerSettings
+from services.learner.server import LearnerApp
 from services.rollout.config import RolloutSettings
 from services.rollout.server import RolloutApp
-from services.scheduler.app import SchedulerApp
 from services.scheduler.config import SchedulerSettings
+from services.scheduler.server import SchedulerApp
 
 GROUPS = 4
 
@@ -34,7 +35,9 @@ async def _start_workers(
     model: Path, rollouts: int, grace: float = 0.5
 ) -> tuple[RunningServer, RunningServer, list[RunningServer]]:
     env = await start_server(EnvApp(EnvSettings(port=0, env_args=dict(DEMO_TASK))), EnvSettings(port=0))
-    learner_settings = LearnerSettings(model=str(model), device="cpu", dtype="float32", port=0, lr=1e-3)
+    learner_settings = LearnerSettings(
+        model=str(model), device="cpu", dtype="float32", port=0, optim={"lr": 1e-3}
+    )
     learner = await start_server(LearnerApp(learner_settings), learner_settings)
     workers = []
     for i in range(rollouts):
@@ -43,7 +46,7 @@ async def _start_workers(
             engine="transformers",
             port=0,
             max_model_len=256,
-            hf_num_threads=1,
+            hf={"num_threads": 1},
             rollout_id=f"r{i}",
             max_in_flight=4,
             grace_seconds=grace,

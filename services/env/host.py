@@ -1,8 +1,10 @@
-"""EnvService: the environment service's domain logic, free of protos.
+"""EnvHost: hosts one Environment plug-in: prompt cursors, scoring pool, failure policy, counters.
 
-It owns the loaded `Environment` (the prompt source, in this process) and the `ScoringPool` (the
-scorer, in worker processes). It validates requests (InvalidArgument with a precise message),
-applies the failure policy to scored groups and keeps the counters reported as metrics.
+The environment itself is stateless (base.py). The host loads it from the settings' recipe, runs its
+`setup()` here (the prompt source lives in this process), keeps its `PromptCursor` (positions, epoch
+order, eval bounds; cursor.py) and a `ScoringPool` of worker processes that rebuild the scorer from
+the same recipe. It validates requests (InvalidArgument with a precise message), applies the failure
+policy to scored groups and keeps the counters reported as metrics. No protos here (servicer.py).
 
 Failure policy: every failed completion is reported with `failure_reward`; under "skip_group" a
 group with any failure is additionally flagged `skip_group=True` (the scheduler must not train on
@@ -14,16 +16,17 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.logging import get_logger
-from services.env.base import Environment, GroupResult, PromptItem, Score, SplitName
+from services.env.base import GroupResult, PromptItem, Score, SplitName
 from services.env.chat import apply_format
 from services.env.config import EnvSettings
+from services.env.cursor import Draw, PromptCursor
 from services.env.evaluation import eval_metrics
-from services.env.loader import load_environment
+from services.env.loader import LoadedEnv, load_recipe
 from services.env.scoring import ScoringPool
 
 log = get_logger(__name__)
@@ -48,20 +51,28 @@ class ScoreJob:
     completion_prompt_ids: list[str]
 
 
-class EnvService:
-    """Environment + scoring pool + policy + metrics. Create, `await start()`, use, `await stop()`."""
+@dataclass
+class _Hosted:
+    """What `start()` built: the env and its scorer, the env's cursor, the scoring pool."""
+
+    loaded: LoadedEnv
+    cursor: PromptCursor
+    pool: ScoringPool
+
+
+class EnvHost:
+    """Environment + cursor + scoring pool + policy + metrics. Create, `await start()`, use, `stop()`."""
 
     def __init__(self, settings: EnvSettings) -> None:
         self.settings = settings
         self.recipe = settings.recipe()
-        self.env: Environment | None = None
-        self.pool: ScoringPool | None = None
         self.counters: Counter[str] = Counter()
+        self._hosted: _Hosted | None = None
 
     async def start(self) -> None:
         """Load the environment (raises EnvLoadError with a clear message) and start the scoring workers."""
-        env = await asyncio.to_thread(load_environment, self.recipe)
-        await env.setup()
+        loaded = await asyncio.to_thread(load_recipe, self.recipe)
+        await loaded.env.setup()
         s = self.settings
         pool = ScoringPool(
             self.recipe,
@@ -72,74 +83,81 @@ class EnvService:
             reward_range=(s.reward_min, s.reward_max),
         )
         await pool.start()
-        self.env, self.pool = env, pool
-        log.info("environment ready", env=env.name, options=env.options_dict(), workers=s.score_workers)
+        self._hosted = _Hosted(loaded, PromptCursor(loaded.env), pool)
+        log.info(
+            "environment ready", env=loaded.env.name, options=loaded.options_dict(), workers=s.score_workers
+        )
 
     async def stop(self) -> None:
-        if self.pool is not None:
-            await self.pool.close()
+        if self._hosted is not None:
+            await self._hosted.pool.close()
 
-    def _ready(self) -> tuple[Environment, ScoringPool]:
-        if self.env is None or self.pool is None:
+    def _ready(self) -> _Hosted:
+        if self._hosted is None:
             raise FailedPrecondition("environment is not loaded yet")
-        return self.env, self.pool
+        return self._hosted
 
     @property
     def name(self) -> str:
-        env, _ = self._ready()
-        return env.name
+        return self._ready().loaded.env.name
 
     # ------------------------------------------------------------------ describe / state
     def describe(self) -> dict[str, Any]:
-        env, pool = self._ready()
+        hosted = self._ready()
+        env, scorer = hosted.loaded.env, hosted.loaded.scorer
         return {
             "name": env.name,
             "description": env.description,
-            "options": env.options_dict(),
+            "options": hosted.loaded.options_dict(),
             "train_size": env.split_size("train"),
             "eval_size": env.split_size("eval"),
             "failure_policy": self.settings.failure_policy,
             "failure_reward": self.settings.failure_reward,
             "score_timeout_seconds": self.settings.score_timeout_seconds,
-            "reward_range": pool.reward_range,
-            "success_threshold": env.success_threshold,
+            "reward_range": hosted.pool.reward_range,
+            "success_threshold": scorer.success_threshold,
         }
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative counters under "env/" (service counters plus the pool's)."""
-        _, pool = self._ready()
+        """Cumulative counters under "env/" (host counters plus the pool's)."""
+        pool = self._ready().pool
         merged = Counter(self.counters)
         merged.update(pool.counters)
         merged["failures"] = sum(v for k, v in pool.counters.items() if k.startswith("failures."))
         return {f"env/{key}": float(value) for key, value in sorted(merged.items())}
 
-    def positions(self) -> dict[str, int]:
-        env, _ = self._ready()
-        return {"train": env.position("train"), "eval": env.position("eval")}
+    def positions(self) -> dict[SplitName, int]:
+        """Each split's cursor (GetEnvironmentState); `sample(start=...)` restores one."""
+        return self._ready().cursor.positions()
 
     # ------------------------------------------------------------------ prompts
-    async def sample(
-        self, n: int, split: SplitName, start: int | None = None
-    ) -> tuple[list[PromptItem], int]:
-        """`n` prompts of `split` (served in the configured prompt format) and the cursor after them."""
-        env, _ = self._ready()
+    async def sample(self, n: int, split: SplitName, start: int | None = None) -> Draw:
+        """Prompts of `split` (in the configured prompt format) from `start`, default the split's cursor.
+
+        Train serves `n` prompts, cycling epochs of finite data; eval serves each remaining prompt once
+        (min(n, eval size - start)) and never wraps around.
+        """
+        hosted = self._ready()
         if not 1 <= n <= self.settings.max_prompts_per_call:
             raise InvalidArgument(f"n must be in [1, {self.settings.max_prompts_per_call}], got {n}")
-        size = env.split_size(split)
-        if split == "eval" and size == 0:
-            raise FailedPrecondition(f"environment {env.name!r} has no eval split (eval_size = 0)")
-        first = env.position(split) if start is None else start
-        items = await env.sample(n, split, start)
-        if len(items) != n:
-            raise FailedPrecondition(f"environment {env.name!r} returned {len(items)} prompts for n={n}")
+        draw = await hosted.cursor.take(n, split, start)
+        if len(draw.prompts) < n:
+            log.warning(
+                "more eval prompts asked for than the eval split holds; each is served once",
+                asked=n,
+                served=len(draw.prompts),
+                start=draw.start,
+                eval_size=hosted.loaded.env.split_size(split),
+            )
+        finite = hosted.loaded.env.split_size(split) > 0
         served = []
-        for offset, item in enumerate(items):
+        for offset, item in enumerate(draw.prompts):
             item = apply_format(item, self.settings.prompt_format)
-            if split == "train" and size > 0:  # finite data repeats across epochs: keep ids unique per run
-                item = _with_id(item, f"{item.id}@{first + offset}")
+            if split == "train" and finite:  # finite data repeats across epochs: keep ids unique per run
+                item = replace(item, id=f"{item.id}@{draw.start + offset}")
             served.append(item)
-        self.counters[f"prompts_sampled.{split}"] += n
-        return served, env.position(split)
+        self.counters[f"prompts_sampled.{split}"] += len(served)
+        return replace(draw, prompts=served)
 
     # ------------------------------------------------------------------ scoring
     def validate_job(self, job: ScoreJob) -> None:
@@ -161,15 +179,14 @@ class EnvService:
                 )
 
     def env_name_matches(self, name: str) -> bool:
-        env, _ = self._ready()
-        return not name or name == env.name
+        return not name or name == self.name
 
     def _apply_policy(self, scores: list[Score]) -> ScoredGroupOutcome:
-        failed = sum(1 for s in scores if s.failure or s.reward is None)
         rewards = [
-            self.settings.failure_reward if (s.failure or s.reward is None) else float(s.reward)  # type: ignore[arg-type]
+            float(s.reward) if s.reward is not None and not s.failure else self.settings.failure_reward
             for s in scores
         ]
+        failed = sum(1 for s in scores if s.failure or s.reward is None)
         skip = failed > 0 and self.settings.failure_policy == "skip_group"
         self.counters["groups_scored"] += 1
         if failed:
@@ -180,7 +197,7 @@ class EnvService:
 
     async def score(self, job: ScoreJob) -> ScoredGroupOutcome:
         """Score one group in the pool; scorer faults are failures inside the outcome, never exceptions."""
-        _, pool = self._ready()
+        pool = self._ready().pool
         self.validate_job(job)
         return self._apply_policy(await pool.score(job.prompt, job.completions))
 
@@ -205,7 +222,7 @@ class EnvService:
     # ------------------------------------------------------------------ evaluation
     async def evaluate(self, jobs: Sequence[ScoreJob]) -> tuple[dict[str, float], list[ScoredGroupOutcome]]:
         """Score eval groups and aggregate metrics (keys prefixed "eval/")."""
-        env, _ = self._ready()
+        loaded = self._ready().loaded
         if not jobs:
             raise InvalidArgument("evaluation needs at least one group")
         outcomes: list[ScoredGroupOutcome | None] = [None] * len(jobs)
@@ -213,18 +230,12 @@ class EnvService:
             outcomes[index] = outcome
         done = [o for o in outcomes if o is not None]
         results = [GroupResult(j.prompt, j.completions, o.scores) for j, o in zip(jobs, done, strict=True)]
-        metrics = eval_metrics(results, env.success_threshold)
+        metrics = eval_metrics(results, loaded.scorer.success_threshold)
         try:
-            extra = await asyncio.to_thread(env.evaluate, results)
+            extra = await asyncio.to_thread(loaded.env.evaluate, results)
             metrics.update({key: float(value) for key, value in extra.items()})
         except Exception as exc:  # a broken hook must not lose the standard metrics
             log.warning("environment evaluate hook failed", error=f"{type(exc).__name__}: {exc}")
             metrics["evaluate_hook_errors"] = 1.0
         self.counters["evaluations"] += 1
         return {f"eval/{key}": value for key, value in metrics.items()}, done
-
-
-def _with_id(item: PromptItem, prompt_id: str) -> PromptItem:
-    from dataclasses import replace
-
-    return replace(item, id=prompt_id)

@@ -1,0 +1,205 @@
+"""The learner: one model, its optimizer steps, and the weight versions it publishes.
+
+Every model operation (load, train step, scoring, weight export + packing, checkpoint) runs on ONE
+dedicated worker thread: the event loop never blocks, and the model is never used by two operations
+at once. That includes turning a request into training samples: `train_step` takes a decoder that
+the thread runs, so the O(tokens) conversion and validation of a big batch never stall health
+checks or FetchWeights. Calls queue behind each other in arrival order; a second TrainStep while one
+is queued or running is refused with ResourceExhausted (backpressure instead of an unbounded queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from services.common.logging import get_logger
+from services.learner.batching import Sample, validate_sample
+from services.learner.config import LearnerSettings
+from services.learner.publish import PreparedStore
+from services.learner.trainer import StepOutcome, Trainer
+from services.transports import Prepared, PublishContext, TransportKind
+from services.transports import registry as transports
+from services.transports.grpc_stream import chunks
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+_ANY_HOST = {"", "0.0.0.0", "::", "[::]"}
+# What a TrainStep decoder returns: the samples to train on and the rewards they came with.
+Decoded = tuple[list[Sample], list[float]]
+
+
+@dataclass(frozen=True)
+class LearnerState:
+    weight_version: int
+    step: int
+    model: str
+    loss: str
+    prepared_versions: list[int]
+    device: str
+    dtype: str
+
+
+class Learner:
+    """Domain operations of the learner, each async and safe to call from RPC handlers."""
+
+    def __init__(self, settings: LearnerSettings) -> None:
+        self.settings = settings
+        self.run_id = uuid.uuid4().hex[:8]
+        self.store = PreparedStore(settings.publish.max_prepared_versions)
+        self.trainer: Trainer | None = None
+        self.bound_port: int | None = None  # the port actually bound (matters with --port 0)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-model")
+        self._train_pending = False
+        self._publish = PublishContext(
+            run_id=self.run_id,
+            bucket_bytes=settings.publish.bucket_bytes,
+            chunk_bytes=settings.publish.chunk_bytes,
+            advertise_address=self.advertise_address,
+        )
+
+    async def start(self) -> None:
+        started = time.perf_counter()
+        self.trainer = await self._run(lambda: Trainer(self.settings))
+        log.info(
+            "learner ready",
+            model=self.settings.model,
+            loss=self.settings.loss.kind,
+            device=str(self.trainer.device),
+            weight_version=self.trainer.weight_version,
+            load_s=round(time.perf_counter() - started, 2),
+        )
+
+    async def stop(self) -> None:
+        """Checkpoint (if configured), free prepared versions, stop the worker thread."""
+        if self.trainer is not None and self.settings.checkpoint.dir is not None:
+            await self._run(self.trainer.save_checkpoint)
+        self.store.close()
+        # The checkpoint above ran after every queued job, so the worker is idle, unless start() was
+        # cancelled mid-load: never block the event loop waiting for that load to finish.
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def _ready(self) -> Trainer:
+        if self.trainer is None:
+            raise FailedPrecondition("learner model is not loaded yet")
+        return self.trainer
+
+    # ------------------------------------------------------------------ training
+
+    async def train_step(self, decode: Callable[[], Decoded], batch_id: str, step: int) -> StepOutcome:
+        """One optimizer step on what `decode()` returns (run on the model thread, with validation).
+
+        A retry of the last batch (same batch_id) returns its result again instead of training twice.
+        """
+        trainer = self._ready()
+        if self._train_pending:
+            raise ResourceExhausted("a train step is already running; wait for its result")
+        self._train_pending = True
+        try:
+            return await self._run(lambda: self._train(trainer, decode, batch_id, step))
+        finally:
+            self._train_pending = False
+
+    def _train(
+        self, trainer: Trainer, decode: Callable[[], Decoded], batch_id: str, step: int
+    ) -> StepOutcome:
+        samples, rewards = decode()
+        for index, sample in enumerate(samples):
+            validate_sample(sample, trainer.vocab_size, f"completion {index}", trainer.max_length)
+        if batch_id and batch_id == trainer.last_batch_id:
+            # a retry (or, after --checkpoint.resume, the last batch the checkpoint already consumed)
+            log.info("duplicate batch: not training it again", batch_id=batch_id)
+            return trainer.last_outcome or StepOutcome(
+                trainer.step, trainer.weight_version, {"duplicate": 1.0}
+            )
+        if self.settings.strict_step and step != trainer.step:
+            raise FailedPrecondition(
+                f"batch {batch_id!r} is for step {step} but the learner is at step {trainer.step}"
+            )
+        return trainer.train_step(samples, batch_id, rewards)
+
+    async def score(
+        self, prompt_ids: list[int], completion_ids: list[int], temperature: float
+    ) -> tuple[list[float], int]:
+        """Logprobs of completion tokens under the current weights, and that weight version."""
+        trainer = self._ready()
+        if temperature < 0:
+            raise InvalidArgument("temperature must be >= 0 (0 means 1.0, like vLLM greedy logprobs)")
+        temperature = temperature or 1.0
+        sample = Sample(
+            tuple(prompt_ids), tuple(completion_ids), (0.0,) * len(completion_ids), 0.0, temperature
+        )
+        validate_sample(sample, trainer.vocab_size, "sequence", trainer.max_length)
+        return await self._run(
+            lambda: (trainer.score(prompt_ids, completion_ids, temperature), trainer.weight_version)
+        )
+
+    # ------------------------------------------------------------------ publishing weights
+
+    async def prepare_weights(self, kind: TransportKind) -> tuple[Prepared, float]:
+        """The current weights packed by transport `kind` (existing if already prepared) and the ms spent."""
+        trainer = self._ready()
+        transport = transports.get(kind)
+
+        def prepare() -> tuple[Prepared, float]:
+            started = time.perf_counter()
+            item, fresh = self.store.prepare(trainer.weight_version, transport, trainer.export, self._publish)
+            return item, (time.perf_counter() - started) * 1e3 if fresh else 0.0
+
+        item, ms = await self._run(prepare)
+        log.info(
+            "weights prepared",
+            version=item.version,
+            kind=kind,
+            bytes=item.manifest.total_bytes,
+            ms=round(ms, 1),
+        )
+        return item, ms
+
+    async def fetch_chunks(self, version: int, buckets: list[int]) -> AsyncIterator[tuple[int, int, bytes]]:
+        """Chunks of a prepared version (any transport's); yields to the loop between chunks."""
+        item = self.store.get(version)
+        for chunk in chunks(item, buckets, self.settings.publish.chunk_bytes):
+            yield chunk
+            await asyncio.sleep(0)
+
+    async def release_weights(self, version: int) -> None:
+        self.store.release(version)
+        log.info("weights released", version=version)
+
+    def advertise_address(self) -> str:
+        """host:port rollouts dial for FetchWeights."""
+        if self.settings.publish.advertise_address:
+            return self.settings.publish.advertise_address
+        port = self.bound_port or self.settings.port
+        if not port:
+            raise FailedPrecondition(
+                "learner address unknown: set --publish.advertise-address or a fixed --port"
+            )
+        host = socket.gethostname() if self.settings.host in _ANY_HOST else self.settings.host
+        return f"{host}:{port}"
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> LearnerState:
+        trainer = self._ready()
+        return LearnerState(
+            weight_version=trainer.weight_version,
+            step=trainer.step,
+            model=self.settings.model,
+            loss=self.settings.loss.kind,
+            prepared_versions=self.store.versions(),
+            device=str(trainer.device),
+            dtype=str(trainer.compute_dtype).removeprefix("torch."),
+        )

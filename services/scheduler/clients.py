@@ -1,0 +1,155 @@
+"""What the scheduler needs from its three peers, in domain terms: `EnvClient`, `LearnerClient`,
+`RolloutClient` (the seam vLLM's entrypoints have in `EngineClient`).
+
+The orchestrator, the weight syncer, the evaluator and the rollout pool depend only on these
+protocols. `grpc_clients.py` implements them over gRPC and owns everything RPC: request and response
+envelopes, channels, deadlines, and turning status codes into domain errors
+(`services.common.errors`: a failure's `retryable` / `unreachable` flags are all callers look at).
+Tests implement them in memory (tests/scheduler/fakes.py), so orchestration is tested in milliseconds.
+
+The payloads are the shared data messages of `grpo.common.v1` (Prompt, Completion, RewardInfo,
+TokenSequence, WeightVersion): they are the system's data model, passed through untouched; converting
+every completion into another type and back would be O(tokens) work on the scheduler's event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from grpo.common.v1 import types_pb2
+from services.transports import TransportKind
+
+Split = Literal["train", "eval"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of one generation request (n = the group size)."""
+
+    n: int
+    temperature: float
+    max_tokens: int
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The environment's verdict on one group."""
+
+    rewards: list[float]
+    reward_infos: Sequence[types_pb2.RewardInfo]
+    skip_group: bool  # the env's failure policy says: do not train on this group
+
+
+@dataclass
+class ScoredGroup:
+    """A prompt's G scored completions, waiting to be trained on."""
+
+    group_id: str
+    prompt: types_pb2.Prompt
+    completions: list[types_pb2.Completion]
+    rewards: list[float]
+    reward_infos: Sequence[types_pb2.RewardInfo] = ()
+
+
+@dataclass
+class Batch:
+    """One optimizer step's data: groups and one advantage per completion."""
+
+    batch_id: str
+    step: int
+    groups: list[ScoredGroup]
+    advantages: list[list[float]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    weight_version: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LearnerInfo:
+    weight_version: int
+    step: int
+    loss: str
+
+
+@dataclass(frozen=True)
+class PreparedWeights:
+    """A published version: its number and the message rollouts stage it from (opaque here)."""
+
+    version: int
+    message: types_pb2.WeightVersion
+    prepare_ms: float
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    logprobs: list[float]
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class RolloutInfo:
+    rollout_id: str
+    weight_version: int
+    ready: bool  # loaded and accepting work (READY or UPDATING)
+    max_in_flight: int
+
+
+class EnvClient(Protocol):
+    async def sample(self, n: int, split: Split, start: int | None = None) -> list[types_pb2.Prompt]:
+        """`n` prompts (fewer from a finite eval split: never repeated); `start` positions the cursor."""
+
+    async def score(
+        self, prompt: types_pb2.Prompt, completions: Sequence[types_pb2.Completion]
+    ) -> Scores: ...
+
+    async def evaluate(
+        self, groups: Sequence[tuple[types_pb2.Prompt, Sequence[types_pb2.Completion]]]
+    ) -> dict[str, float]:
+        """Eval metrics (keys `eval/...`) of scored held-out groups."""
+
+    async def close(self) -> None: ...
+
+
+class LearnerClient(Protocol):
+    async def state(self) -> LearnerInfo: ...
+
+    async def train_step(self, batch: Batch) -> StepResult: ...
+
+    async def prepare(self, kind: TransportKind) -> PreparedWeights: ...
+
+    async def release(self, version: int) -> None: ...
+
+    async def score_tokens(self, sequence: types_pb2.TokenSequence) -> TokenScores: ...
+
+    async def close(self) -> None: ...
+
+
+class RolloutClient(Protocol):
+    address: str
+
+    async def state(self) -> RolloutInfo: ...
+
+    async def generate(
+        self, request_id: str, prompt: types_pb2.Prompt, sampling: Sampling
+    ) -> list[types_pb2.Completion]:
+        """All `sampling.n` completions of one prompt (in any order)."""
+
+    async def stage(self, weights: types_pb2.WeightVersion) -> None: ...
+
+    async def commit(self, version: int) -> int:
+        """Load the staged `version`; returns the version now loaded."""
+
+    async def abort(self, version: int) -> None: ...
+
+    async def score_tokens(self, sequence: types_pb2.TokenSequence) -> TokenScores: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,38 @@
+"""Weight transports: how a published weight version travels from the learner to the rollouts.
+
+One module per transport, each holding its learner, rollout and engine halves (`base.py` is the
+contract, `registry.py` says which kinds exist):
+
+| kind            | module             | where                                      |
+|-----------------|--------------------|--------------------------------------------|
+| `grpc_stream`   | `grpc_stream.py`   | anywhere: FetchWeights chunk stream        |
+| `shared_memory` | `shared_memory.py` | same host: a POSIX segment, zero copy      |
+| `cuda_ipc`      | planned            | same GPU                                   |
+| `nccl`          | planned            | other GPUs / hosts                         |
+| `checkpoint`    | planned            | shared file system                         |
+
+This package depends only on `services.common` and the generated contracts; the learner and the
+rollout use it, the scheduler only names kinds.
+"""
+
+from services.transports.base import (
+    LoadPlan,
+    Prepared,
+    PublishContext,
+    StageContext,
+    Staged,
+    StageTarget,
+    TransportKind,
+    WeightTransport,
+)
+
+__all__ = [
+    "LoadPlan",
+    "Prepared",
+    "PublishContext",
+    "StageContext",
+    "StageTarget",
+    "Staged",
+    "TransportKind",
+    "WeightTransport",
+]

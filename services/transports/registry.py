@@ -1,0 +1,97 @@
+"""Which weight transports exist, keyed by kind, and the proto translations every service shares.
+
+`TRANSPORTS` holds the implemented ones; `PLANNED` names the kinds the contract already describes
+but no module implements yet, with where they would work. Adding a transport is one module with its
+three halves (see `base.py`) plus one line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Annotated
+
+import torch
+from pydantic import AfterValidator
+
+from grpo.common.v1 import types_pb2
+from services.common import weights
+from services.common.errors import FailedPrecondition, GrpoError, InvalidArgument
+from services.transports.base import LoadPlan, Prepared, StageTarget, TransportKind, WeightTransport
+from services.transports.grpc_stream import GrpcStreamTransport
+from services.transports.shared_memory import SharedMemoryTransport
+
+TRANSPORTS: dict[TransportKind, WeightTransport] = {
+    t.kind: t for t in (GrpcStreamTransport(), SharedMemoryTransport())
+}
+PLANNED: dict[TransportKind, str] = {
+    TransportKind.cuda_ipc: "same physical GPU: rollouts attach to the learner's staging buffers",
+    TransportKind.nccl: "other GPUs or hosts: a broadcast from the learner to every rollout worker",
+    TransportKind.checkpoint: "a shared file system: rollouts load a safetensors checkpoint",
+}
+
+
+def get(kind: TransportKind | str) -> WeightTransport:
+    """The transport of `kind`; FailedPrecondition for a planned kind, InvalidArgument for an unknown one."""
+    try:
+        kind = TransportKind(kind)
+    except ValueError:
+        raise InvalidArgument(f"unknown weight transport {kind!r}") from None
+    if kind in PLANNED:
+        raise FailedPrecondition(f"{kind} weight transport is not implemented yet ({PLANNED[kind]})")
+    return TRANSPORTS[kind]
+
+
+def _implemented(kind: TransportKind) -> TransportKind:
+    try:
+        get(kind)
+    except GrpoError as exc:
+        raise ValueError(str(exc)) from None
+    return kind
+
+
+# A settings field type: a transport this build implements (a planned one fails at start-up, with why).
+ImplementedTransport = Annotated[TransportKind, AfterValidator(_implemented)]
+
+
+def kind_to_proto(kind: TransportKind) -> types_pb2.WeightTransportKind.ValueType:
+    return types_pb2.WeightTransportKind.Value(f"WEIGHT_TRANSPORT_KIND_{kind.value.upper()}")
+
+
+def kind_from_proto(value: int) -> TransportKind:
+    """The kind named by a `WeightTransportKind` enum value (InvalidArgument for UNSPECIFIED/unknown)."""
+    try:
+        name = types_pb2.WeightTransportKind.Name(value)
+    except ValueError:
+        name = ""
+    kind = name.removeprefix("WEIGHT_TRANSPORT_KIND_").lower()
+    if kind not in TransportKind.__members__.values():
+        names = ", ".join(k.name for k in TransportKind)
+        raise InvalidArgument(f"unsupported weight transport kind {value} (use one of {names})")
+    return TransportKind(kind)
+
+
+def describe(prepared: Prepared) -> types_pb2.WeightVersion:
+    """The WeightVersion message of a prepared version: manifest, checksums and its transport field."""
+    message = types_pb2.WeightVersion(version=prepared.version, parent_version=prepared.version - 1)
+    weights.manifest_to_proto(prepared.manifest, message)
+    get(prepared.kind).write_descriptor(prepared, message)
+    return message
+
+
+def target_from_proto(message: types_pb2.WeightVersion) -> StageTarget:
+    """Manifest + transport of a WeightVersion, validated (InvalidArgument when malformed,
+    FailedPrecondition for a transport this build does not implement)."""
+    manifest = weights.manifest_from_proto(message)
+    field = message.WhichOneof("transport")
+    if field is None:
+        raise InvalidArgument("weight_version has no transport set")
+    transport = get(field)
+    return StageTarget(message.version, manifest, transport.kind, transport.read_descriptor(message))
+
+
+def open_tensors(
+    plan: LoadPlan, tensors: list[weights.TensorEntry]
+) -> AbstractContextManager[Iterator[tuple[str, torch.Tensor]]]:
+    """(name, tensor) views of a staged version in the loading process (see WeightTransport.open_tensors)."""
+    return get(plan.kind).open_tensors(plan.spec, tensors)

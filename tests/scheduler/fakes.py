@@ -1,0 +1,239 @@
+"""In-memory peers of the scheduler: the `EnvClient`, `LearnerClient` and `RolloutClient` protocols
+(services/scheduler/clients.py) without gRPC, with fault injection, so orchestration runs in ms.
+
+They keep the contracts the real services keep (versions advance by one per step, a commit needs the
+staged version, every token carries the version that produced it) and record what they were asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpo.common.v1 import types_pb2
+from services.common.errors import FailedPrecondition, GrpoError, Unavailable
+from services.scheduler.clients import (
+    Batch,
+    LearnerInfo,
+    PreparedWeights,
+    RolloutInfo,
+    Sampling,
+    Scores,
+    Split,
+    StepResult,
+    TokenScores,
+)
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.orchestrator import Orchestrator
+from services.scheduler.rollouts import RolloutPool
+from services.transports import TransportKind
+
+
+class FakeEnv:
+    """Prompts "p0", "p1", ... (train, unbounded) and "e0".. (eval, `eval_size` of them). Reward 1.0 for
+    completion index 0, else 0.0 (every group has variance). `fail_score(prompt_id)` may return an
+    error to raise instead of scoring."""
+
+    def __init__(self, eval_size: int = 4) -> None:
+        self.eval_size = eval_size
+        self.cursor = 0
+        self.scored: list[str] = []
+        self.fail_score: Callable[[str], GrpoError | None] = lambda prompt_id: None
+
+    async def sample(self, n: int, split: Split, start: int | None = None) -> list[types_pb2.Prompt]:
+        if split == "eval":
+            first = start or 0
+            return [
+                types_pb2.Prompt(id=f"e{i}", text=f"{i}+0=")
+                for i in range(first, min(first + n, self.eval_size))
+            ]
+        first = self.cursor if start is None else start
+        self.cursor = first + n
+        return [types_pb2.Prompt(id=f"p{i}", text=f"{i}+1=") for i in range(first, first + n)]
+
+    async def score(self, prompt: types_pb2.Prompt, completions: Sequence[types_pb2.Completion]) -> Scores:
+        error = self.fail_score(prompt.id)
+        if error is not None:
+            raise error
+        self.scored.append(prompt.id)
+        rewards = [1.0 if c.index == 0 else 0.0 for c in completions]
+        return Scores(rewards, [types_pb2.RewardInfo(ok=True) for _ in completions], skip_group=False)
+
+    async def evaluate(self, groups) -> dict[str, float]:
+        return {"eval/num_prompts": float(len(groups)), "eval/accuracy": 0.5}
+
+    async def close(self) -> None:
+        return None
+
+
+class FakeLearner:
+    """Version = step; `prepare` publishes the current version; scores every token -1.0."""
+
+    def __init__(self, loss: str = "grpo") -> None:
+        self.version = 0
+        self.loss = loss
+        self.batches: list[Batch] = []
+        self.prepared: set[int] = set()
+        self.released: list[int] = []
+        self._stepped = asyncio.Condition()
+
+    async def wait_for_version(self, version: int) -> None:
+        async with self._stepped:
+            await self._stepped.wait_for(lambda: self.version >= version)
+
+    async def state(self) -> LearnerInfo:
+        return LearnerInfo(self.version, self.version, self.loss)
+
+    async def train_step(self, batch: Batch) -> StepResult:
+        if batch.step != self.version:
+            raise FailedPrecondition(f"batch for step {batch.step}, learner at {self.version}")
+        self.batches.append(batch)
+        async with self._stepped:
+            self.version += 1
+            self._stepped.notify_all()
+        return StepResult(self.version, self.version, {"loss": 0.5})
+
+    async def prepare(self, kind: TransportKind) -> PreparedWeights:
+        self.prepared.add(self.version)
+        message = types_pb2.WeightVersion(version=self.version, parent_version=self.version - 1)
+        message.shared_memory.segment_name = f"fake_v{self.version}"
+        return PreparedWeights(self.version, message, 0.1)
+
+    async def release(self, version: int) -> None:
+        self.prepared.discard(version)
+        self.released.append(version)
+
+    async def score_tokens(self, sequence: types_pb2.TokenSequence) -> TokenScores:
+        return TokenScores([-1.0] * len(sequence.completion_token_ids), self.version)
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass
+class FakeRollout:
+    """One rollout worker. Faults: `alive=False` (every call UNAVAILABLE), `fail_stage` (errors raised by
+    the next StageWeights calls), `stale_groups` (that many training groups stamped two versions older
+    than the loaded one), `logprob_offset` (misaligned scoring), `gate` (generation waits for it)."""
+
+    address: str
+    rollout_id: str = ""
+    version: int = 0
+    max_in_flight: int = 4
+    alive: bool = True
+    fail_stage: list[GrpoError] = field(default_factory=list)
+    stale_groups: int = 0
+    logprob_offset: float = 0.0
+    gate: asyncio.Event | None = None
+    staged: int | None = None
+    generated_at: list[int] = field(default_factory=list)  # the loaded version at each generate
+    worked: asyncio.Event = field(default_factory=asyncio.Event)  # set by the first training generate
+    commits: list[int] = field(default_factory=list)
+    aborts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rollout_id = self.rollout_id or self.address
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise Unavailable(f"rollout {self.address}: connection refused")
+
+    async def state(self) -> RolloutInfo:
+        self._check_alive()
+        return RolloutInfo(self.rollout_id, self.version, True, self.max_in_flight)
+
+    async def generate(
+        self, request_id: str, prompt: types_pb2.Prompt, sampling: Sampling
+    ) -> list[types_pb2.Completion]:
+        self._check_alive()
+        if self.gate is not None:
+            await self.gate.wait()
+            self._check_alive()
+        self.generated_at.append(self.version)
+        if not request_id.startswith("probe"):
+            self.worked.set()
+        stamp = self.version
+        if self.stale_groups and not request_id.startswith("probe"):
+            self.stale_groups -= 1
+            stamp -= 2
+        return [
+            types_pb2.Completion(
+                prompt_id=prompt.id,
+                index=i,
+                prompt_token_ids=[1, 2],
+                completion_token_ids=[3, 4, 5],
+                logprobs=[-1.0, -1.0, -1.0],
+                version_spans=[types_pb2.WeightVersionSpan(version=stamp, start=0, end=3)],
+                text=str(i),
+                rollout_id=self.rollout_id,
+            )
+            for i in range(sampling.n)
+        ]
+
+    async def stage(self, weights: types_pb2.WeightVersion) -> None:
+        self._check_alive()
+        if self.fail_stage:
+            raise self.fail_stage.pop(0)
+        self.staged = weights.version
+
+    async def commit(self, version: int) -> int:
+        self._check_alive()
+        if self.staged != version:
+            raise FailedPrecondition(f"v{version} is not staged")
+        self.version, self.staged = version, None
+        self.commits.append(version)
+        return version
+
+    async def abort(self, version: int) -> None:
+        self._check_alive()
+        self.aborts.append(version)
+        self.staged = None
+
+    async def score_tokens(self, sequence: types_pb2.TokenSequence) -> TokenScores:
+        self._check_alive()
+        n = len(sequence.completion_token_ids)
+        return TokenScores([-1.0 + self.logprob_offset] * n, self.version)
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass
+class Cluster:
+    """A scheduler wired to fakes: `orchestrator`, `env`, `learner`, `rollouts` by address."""
+
+    orchestrator: Orchestrator
+    env: FakeEnv
+    learner: FakeLearner
+    rollouts: dict[str, FakeRollout]
+
+    def add_rollout(self, rollout: FakeRollout) -> None:
+        self.rollouts[rollout.address] = rollout
+        self.orchestrator.register_rollout(rollout.address)
+
+    async def run(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109 (a test's hard limit)
+        await asyncio.wait_for(self.orchestrator.run(), timeout)
+
+
+def cluster(run_dir: Path, *rollouts: FakeRollout, **settings) -> Cluster:
+    """Fakes + an Orchestrator over them; `settings` override small, fast SchedulerSettings."""
+    base = dict(
+        group_size=2,
+        groups_per_batch=2,
+        max_steps=3,
+        max_staleness=1,
+        run_dir=run_dir,
+        health_interval_seconds=0.01,
+        prompt_buffer=8,
+        weight_transport="shared_memory",
+        rollout_addresses=[],
+    )
+    config = SchedulerSettings(**{**base, **settings})
+    env, learner = FakeEnv(), FakeLearner()
+    by_address = {r.address: r for r in rollouts}
+    pool = RolloutPool(lambda address: by_address[address])
+    for rollout in rollouts:
+        pool.add(rollout.address)
+    return Cluster(Orchestrator(config, env, learner, pool), env, learner, by_address)

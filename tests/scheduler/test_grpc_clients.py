@@ -1,0 +1,128 @@
+"""The scheduler's gRPC clients against real servers on 127.0.0.1:0: request building, deadlines, and
+status codes turned into domain errors by the one client-side table."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import pytest
+
+from grpo.common.v1 import types_pb2
+from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
+from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from services.common.clients import grpc_options
+from services.common.config import CONTROL_MESSAGE_BYTES
+from services.common.errors import DeadlineExceeded, InvalidArgument, RemoteError, Unavailable
+from services.scheduler.clients import Batch, Sampling, ScoredGroup
+from services.scheduler.config import TimeoutSettings
+from services.scheduler.grpc_clients import GrpcLearnerClient, GrpcRolloutClient
+from services.transports import TransportKind
+
+TIMEOUTS = TimeoutSettings(control=2, generate=2, weight_sync=2, train_step=2, score=2, connect=2)
+
+
+class _Rollout(rollout_pb2_grpc.RolloutServiceServicer):
+    async def Generate(self, request, context):
+        if request.prompt.id == "bad":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt.text is empty")
+        if request.prompt.id == "crash":
+            raise RuntimeError("boom")  # unhandled: INTERNAL... or UNKNOWN
+        for i in range(request.sampling_params.n):
+            yield rollout_pb2.GenerateResponse(
+                completion=types_pb2.Completion(
+                    prompt_id=request.prompt.id, index=i, sampling_params=request.sampling_params
+                )
+            )
+
+    async def GetRolloutState(self, request, context):
+        return rollout_pb2.GetRolloutStateResponse(
+            rollout_id="r-1", weight_version=7, status=rollout_pb2.ROLLOUT_STATUS_UPDATING, max_in_flight=5
+        )
+
+
+class _Learner(learner_pb2_grpc.LearnerServiceServicer):
+    def __init__(self) -> None:
+        self.requests: list = []
+
+    async def TrainStep(self, request, context):
+        self.requests.append(request)
+        return learner_pb2.TrainStepResponse(
+            result=types_pb2.StepResult(step=1, weight_version=1, metrics={"loss": 0.25})
+        )
+
+    async def PrepareWeights(self, request, context):
+        self.requests.append(request)
+        return learner_pb2.PrepareWeightsResponse(
+            weight_version=types_pb2.WeightVersion(version=4), prepare_ms=1.5
+        )
+
+
+@pytest.fixture
+async def servers():
+    server = grpc.aio.server(options=grpc_options(CONTROL_MESSAGE_BYTES))
+    learner = _Learner()
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(_Rollout(), server)
+    learner_pb2_grpc.add_LearnerServiceServicer_to_server(learner, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}", learner
+    await server.stop(None)
+
+
+async def test_rollout_client_speaks_domain_terms_and_maps_status_codes(servers) -> None:
+    address, _ = servers
+    client = GrpcRolloutClient(address, TIMEOUTS)
+    try:
+        info = await client.state()
+        assert (info.rollout_id, info.weight_version, info.ready, info.max_in_flight) == ("r-1", 7, True, 5)
+        sampling = Sampling(n=3, temperature=0.7, max_tokens=4, seed=9)
+        completions = await client.generate("g1", types_pb2.Prompt(id="p"), sampling)
+        assert [c.index for c in completions] == [0, 1, 2]
+        assert completions[0].sampling_params.temperature == pytest.approx(0.7)
+        with pytest.raises(
+            InvalidArgument, match=f"rollout {address}: INVALID_ARGUMENT: prompt.text is empty"
+        ) as bad:
+            await client.generate("g2", types_pb2.Prompt(id="bad"), sampling)
+        assert not bad.value.retryable and not bad.value.unreachable
+        with pytest.raises(RemoteError) as crashed:
+            await client.generate("g3", types_pb2.Prompt(id="crash"), sampling)
+        assert not crashed.value.retryable
+        with pytest.raises(RemoteError, match="UNIMPLEMENTED"):  # not served by this test server
+            await client.commit(1)
+    finally:
+        await client.close()
+
+
+async def test_learner_client_builds_the_train_batch_and_the_transport_kind(servers) -> None:
+    address, learner = servers
+    client = GrpcLearnerClient(address, TIMEOUTS)
+    completion = types_pb2.Completion(prompt_id="p", index=0, completion_token_ids=[1, 2])
+    group = ScoredGroup("p#0", types_pb2.Prompt(id="p"), [completion], [1.0], [types_pb2.RewardInfo(ok=True)])
+    try:
+        result = await client.train_step(Batch("step-0", 0, [group], [[0.5]]))
+        assert (result.step, result.weight_version, result.metrics) == (1, 1, {"loss": 0.25})
+        sent = learner.requests[-1].batch
+        assert (sent.batch_id, sent.step, sent.groups[0].group_id) == ("step-0", 0, "p#0")
+        assert list(sent.groups[0].advantages) == [0.5] and list(sent.groups[0].rewards) == [1.0]
+        assert list(sent.groups[0].completions[0].completion_token_ids) == [1, 2]
+        prepared = await client.prepare(TransportKind.shared_memory)
+        assert (prepared.version, prepared.prepare_ms) == (4, 1.5)
+        assert learner.requests[-1].transport == types_pb2.WEIGHT_TRANSPORT_KIND_SHARED_MEMORY
+    finally:
+        await client.close()
+
+
+async def test_a_dead_peer_is_unreachable_and_retryable() -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    client = GrpcRolloutClient(address, TIMEOUTS)
+    try:
+        with pytest.raises((Unavailable, DeadlineExceeded)) as dead:
+            await client.state()
+        assert dead.value.unreachable and dead.value.retryable
+        with pytest.raises(DeadlineExceeded, match=r"not reachable within 0\.2s"):
+            await client.wait_ready(0.2)
+    finally:
+        await client.close()

@@ -1,0 +1,185 @@
+"""The orchestrator against in-memory peers (tests/scheduler/fakes.py): whole runs in milliseconds.
+
+What a run must survive and how: dead rollouts, env failures, hopeless prompts, stale groups,
+failed syncs, misalignment, pause/resume, and rollouts that join mid-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import InvalidArgument, Unavailable
+from services.scheduler.ledger import GroupState
+from services.scheduler.orchestrator import MAX_ATTEMPTS
+from services.scheduler.weight_sync import AlignmentError
+
+from .fakes import FakeRollout, cluster
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _trained(c) -> list:
+    return [r for r in c.orchestrator.ledger.records() if r.state == GroupState.TRAINED]
+
+
+async def test_a_run_trains_every_step_once_and_syncs_every_rollout(tmp_path: Path) -> None:
+    c = cluster(tmp_path, FakeRollout("r0"), FakeRollout("r1"))
+    await c.run()
+    orch = c.orchestrator
+    assert orch.finished and not orch.error
+    assert [b.step for b in c.learner.batches] == [0, 1, 2]
+    assert all(len(b.groups) == 2 and len(b.advantages) == 2 for b in c.learner.batches)
+    assert [r["weight_version"] for r in _rows(tmp_path)] == [1, 2, 3]
+    assert all(
+        r["rollouts_synced"] == 2 and r["weight_transport"] == "shared_memory" for r in _rows(tmp_path)
+    )
+    assert {r.version for r in c.rollouts.values()} == {3}
+    assert c.learner.prepared == set() and c.learner.released == [1, 2, 3]  # every version released
+    trained = _trained(c)
+    assert len(trained) == 6 == len({r.group_id for r in trained})
+    status = orch.status()
+    assert (status.step, status.learner_version, status.finished) == (3, 3, True)
+    assert status.groups_by_state["trained"] == 6 and len(status.rollouts) == 2
+
+
+async def test_an_unavailable_rollout_is_marked_unhealthy_and_its_groups_reissued(tmp_path: Path) -> None:
+    doomed = FakeRollout("r0")  # "r0" sorts first: it gets work first
+    original = doomed.generate
+
+    async def generate_then_die(request_id, *args, **kwargs):
+        if not request_id.startswith("probe"):
+            doomed.alive = False  # dies on its first group: this and every later call fail UNAVAILABLE
+        return await original(request_id, *args, **kwargs)
+
+    doomed.generate = generate_then_die
+    c = cluster(tmp_path, doomed, FakeRollout("r1"))
+    await c.run()
+    orch = c.orchestrator
+    assert orch.finished and not orch.error
+    handles = {h.address: h for h in orch.pool.handles()}
+    assert not handles["r0"].healthy and handles["r1"].healthy
+    records = orch.ledger.records()
+    lost = [r for r in records if r.state == GroupState.DROPPED and r.rollout_id == "r0"]
+    assert lost and all("UNAVAILABLE" in r.reason or "connection refused" in r.reason for r in lost)
+    for dropped in lost:  # each prompt came back as a later attempt and was trained
+        assert any(
+            r.prompt_id == dropped.prompt_id and r.attempt > dropped.attempt and r.state == GroupState.TRAINED
+            for r in records
+        )
+    assert len(_trained(c)) == 6
+
+
+async def test_an_env_failure_does_not_count_against_the_rollout(tmp_path: Path) -> None:
+    failures = {"p1": 1}
+
+    def flaky(prompt_id: str):
+        if failures.get(prompt_id):
+            failures[prompt_id] -= 1
+            return Unavailable("env restarting")
+        return None
+
+    c = cluster(tmp_path, FakeRollout("r0"))
+    c.env.fail_score = flaky
+    await c.run()
+    orch = c.orchestrator
+    assert orch.finished
+    dropped = [r for r in orch.ledger.records() if r.state == GroupState.DROPPED]
+    assert [(r.prompt_id, r.reason.split(":")[0]) for r in dropped] == [("p1", "env")]
+    assert all(h.healthy for h in orch.pool.handles())
+    assert any(r.prompt_id == "p1" and r.state == GroupState.TRAINED for r in orch.ledger.records())
+
+
+async def test_a_prompt_is_given_up_after_the_attempt_limit_and_a_bad_request_is_never_retried(
+    tmp_path: Path,
+) -> None:
+    c = cluster(tmp_path, FakeRollout("r0"))
+    c.env.fail_score = lambda prompt_id: {
+        "p0": Unavailable("always failing"),
+        "p1": InvalidArgument("prompt p1 is malformed"),
+    }.get(prompt_id)
+    await c.run()
+    records = c.orchestrator.ledger.records()
+    assert [r.attempt for r in records if r.prompt_id == "p0"] == list(range(MAX_ATTEMPTS))
+    assert all(r.state == GroupState.DROPPED for r in records if r.prompt_id in ("p0", "p1"))
+    assert [r.attempt for r in records if r.prompt_id == "p1"] == [0]  # not retryable
+    assert c.orchestrator.finished and len(_trained(c)) == 6
+
+
+async def test_a_stale_group_is_dropped_and_its_prompt_reissued(tmp_path: Path) -> None:
+    c = cluster(tmp_path, FakeRollout("r0", stale_groups=1), max_staleness=1)
+    await c.run()
+    records = c.orchestrator.ledger.records()
+    stale = [r for r in records if r.state == GroupState.DROPPED]
+    assert len(stale) == 1 and stale[0].reason == "stale by 2 versions"
+    assert any(r.prompt_id == stale[0].prompt_id and r.state == GroupState.TRAINED for r in records)
+    assert all(row["staleness_max"] <= 1 for row in _rows(tmp_path))
+
+
+async def test_a_stage_failure_drops_only_that_rollout_from_the_sync(tmp_path: Path) -> None:
+    flaky = FakeRollout("r1", fail_stage=[InvalidArgument("bad manifest")])
+    c = cluster(tmp_path, FakeRollout("r0"), flaky, max_steps=4)
+    await c.run()
+    rows = _rows(tmp_path)
+    assert rows[0]["rollouts_synced"] == 1  # r1 dropped out of the first sync ...
+    assert flaky.aborts == [1]  # ... after being told to drop what it had staged
+    assert c.orchestrator.finished and not c.orchestrator.error
+    assert c.rollouts["r0"].version == 4 and flaky.version < 4
+    await c.orchestrator.catch_up()  # one health-monitor round brings it back to the run's version
+    assert flaky.version == 4 and flaky.commits[-1] == 4
+
+
+@pytest.mark.parametrize("action", ["fail", "warn"])
+async def test_alignment_beyond_the_threshold_fails_or_warns(tmp_path: Path, action: str) -> None:
+    c = cluster(tmp_path, FakeRollout("r0", logprob_offset=0.01), alignment_action=action)
+    if action == "fail":
+        with pytest.raises(AlignmentError, match="misalignment"):
+            await c.run()
+        assert "misalignment" in c.orchestrator.error and not c.learner.batches
+    else:
+        await c.run()
+        assert c.orchestrator.finished
+        assert all(r["logprob_abs_diff_max"] == pytest.approx(0.01) for r in _rows(tmp_path))
+
+
+async def test_the_probe_comes_from_a_rollout_that_answers(tmp_path: Path) -> None:
+    c = cluster(tmp_path, FakeRollout("r0", alive=True), FakeRollout("r1"))
+    await c.orchestrator.pool.refresh_all(0)
+    c.rollouts["r0"].alive = False  # healthy at the last poll, dead by the time the probe runs
+    probe = await c.orchestrator._make_probe()
+    assert list(probe.completion_token_ids) == [3, 4, 5]
+    assert [h.address for h in c.orchestrator.pool.healthy()] == ["r1"]
+
+
+async def test_pause_stops_issuing_and_resume_continues(tmp_path: Path) -> None:
+    c = cluster(tmp_path, FakeRollout("r0"))
+    c.orchestrator.pause(True)
+    run = asyncio.create_task(c.run())
+    for _ in range(20):  # the run prepares (probe, eval) but issues nothing while paused
+        await asyncio.sleep(0.005)
+    assert c.orchestrator.status().paused and c.orchestrator.ledger.records() == []
+    c.orchestrator.pause(False)
+    await run
+    assert c.orchestrator.finished and not c.orchestrator.status().paused
+
+
+async def test_a_rollout_registering_mid_run_gets_the_current_weights_before_any_work(tmp_path: Path) -> None:
+    first = FakeRollout("r0", max_in_flight=1)
+    c = cluster(tmp_path, first, max_steps=6, max_staleness=3)
+    late = FakeRollout("r1", max_in_flight=8)  # a fresh worker: version 0, lots of capacity
+    run = asyncio.create_task(c.run())
+    await asyncio.wait_for(c.learner.wait_for_version(2), 10)
+    first.gate = asyncio.Event()  # r0 stalls from now on, so only the newcomer can make progress
+    joined_at = c.orchestrator.version
+    c.add_rollout(late)
+    await asyncio.wait_for(late.worked.wait(), 10)
+    first.gate.set()
+    await run
+    assert late.commits[0] >= joined_at  # synced to the run's version first (staleness 3 would allow v0) ...
+    assert min(late.generated_at) >= late.commits[0]  # ... and only then given work
+    assert c.orchestrator.finished and len(_trained(c)) == 12

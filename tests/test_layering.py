@@ -1,0 +1,133 @@
+"""The tree's layering, enforced: shared code depends on no service, services do not import each
+other, and no two modules import each other (directly or through a cycle), lazy imports included.
+
+    services/common       shared plumbing             → nothing above it
+    services/transports   weight transports           → common
+    services/<service>    env, learner, rollout, scheduler → common, transports
+    services/launch       the launcher                → anything
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICES = ("env", "learner", "rollout", "scheduler")
+ALLOWED = {
+    "common": {"common"},
+    "transports": {"common", "transports"},
+    **{name: {"common", "transports", name} for name in SERVICES},
+}
+
+
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules(root: Path = ROOT) -> dict[str, Path]:
+    return {_module_name(p, root): p for p in (root / "services").rglob("*.py")}
+
+
+def _imports(path: Path, modules: dict[str, Path], root: Path = ROOT) -> set[str]:
+    """The project modules `path` imports, anywhere in the file (function-level imports too)."""
+    name = _module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in found if name in modules}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, modules) - {name} for name, path in modules.items()}
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1] if module.count(".") >= 1 else ""
+
+
+def test_every_layer_imports_only_what_it_may() -> None:
+    graph = _graph()
+    assert graph, "no modules found"
+    problems = [
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if _layer(module) in ALLOWED
+        for target in targets
+        if _layer(target) not in ALLOWED[_layer(module)]
+    ]
+    assert not problems, "layering violations:\n" + "\n".join(sorted(problems))
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("import services.env.base\n", {"services.env.base"}),
+        (
+            "def f():\n    from services.scheduler import orchestrator\n",
+            {"services.scheduler", "services.scheduler.orchestrator"},
+        ),
+        ("from ..env import base\n", {"services.env", "services.env.base"}),
+    ],
+)
+def test_the_checker_sees_absolute_lazy_and_relative_imports(
+    tmp_path: Path, source: str, expected: set[str]
+) -> None:
+    for module in ("services/__init__.py", "services/env/__init__.py", "services/env/base.py",
+                   "services/scheduler/__init__.py", "services/scheduler/orchestrator.py"):  # fmt: skip
+        (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / module).write_text("")
+    probe = tmp_path / "services" / "common" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text(source)
+    imported = _imports(probe, _modules(tmp_path), tmp_path)
+    assert imported == expected
+    assert any(_layer(t) not in ALLOWED["common"] for t in imported)  # each would be reported

@@ -21,6 +21,16 @@ from services.common.config import CONTROL_MESSAGE_BYTES
 from services.transports.shared_memory import create_segment
 
 
+def sample_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A small state_dict of three dtypes whose fp32 tensor spans several 256 KiB buckets."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(300, 400, generator=generator),
+        "b.bias": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "c.steps": torch.arange(5),
+    }
+
+
 def perturbed_state(model: torch.nn.Module, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     """state_dict() (incl. the tied lm_head.weight) with seeded Gaussian noise on every float tensor."""
     generator = torch.Generator().manual_seed(seed)

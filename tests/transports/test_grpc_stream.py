@@ -13,18 +13,9 @@ from services.transports import registry as transports
 from services.transports.grpc_stream import chunks
 from services.transports.shared_memory import attach_segment
 
-from .support import Packed, WeightsServer
+from .support import Packed, WeightsServer, sample_state
 
 CTX = StageContext(rollout_id="test", fetch_timeout_s=30)
-
-
-def _state(seed: int = 0) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        "a.weight": torch.randn(300, 400, generator=generator),  # several 256 KiB buckets
-        "b.bias": torch.randn(7, generator=generator).to(torch.bfloat16),
-        "c.steps": torch.arange(5),
-    }
 
 
 def _same(segment_name: str, packed: Packed, state: dict[str, torch.Tensor]) -> None:
@@ -39,7 +30,7 @@ def _same(segment_name: str, packed: Packed, state: dict[str, torch.Tensor]) -> 
 
 
 def test_learner_half_packs_describes_and_serves_chunks() -> None:
-    state = _state()
+    state = sample_state()
     transport = transports.get(TransportKind.grpc_stream)
     ctx = PublishContext("run", 256 << 10, 1 << 20, lambda: "learner.example:50053")
     prepared = transport.prepare(7, state, ctx)
@@ -69,12 +60,12 @@ def test_learner_half_needs_an_address_before_packing() -> None:
 
     with pytest.raises(FailedPrecondition, match="address unknown"):
         transports.get(TransportKind.grpc_stream).prepare(
-            1, _state(), PublishContext("r", 1 << 20, 1 << 20, unknown)
+            1, sample_state(), PublishContext("r", 1 << 20, 1 << 20, unknown)
         )
 
 
 async def test_stage_streams_verified_bytes_into_an_owned_segment_and_cleans_up() -> None:
-    state = _state()
+    state = sample_state()
     packed = Packed(state)
     assert len(packed.manifest.buckets) > 1
     async with WeightsServer() as server:
@@ -88,7 +79,7 @@ async def test_stage_streams_verified_bytes_into_an_owned_segment_and_cleans_up(
 
 
 async def test_corruption_is_data_loss_and_leaves_no_segment() -> None:
-    packed = Packed(_state())
+    packed = Packed(sample_state())
     async with WeightsServer() as server:
         target = transports.target_from_proto(server.publish(2, packed, corrupt=True))
         with pytest.raises(DataLoss, match="bucket 0 checksum mismatch"):
@@ -96,7 +87,7 @@ async def test_corruption_is_data_loss_and_leaves_no_segment() -> None:
 
 
 async def test_unknown_version_is_failed_precondition_and_dead_learner_unavailable() -> None:
-    packed = Packed(_state())
+    packed = Packed(sample_state())
     async with WeightsServer() as server:
         message = server.publish(3, packed)
         message.version = 4  # the learner never prepared v4

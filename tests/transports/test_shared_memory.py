@@ -24,18 +24,9 @@ from services.transports import LoadPlan, PublishContext, StageContext, Transpor
 from services.transports import registry as transports
 from services.transports.shared_memory import attach_segment, create_segment
 
-from .support import Packed
+from .support import Packed, sample_state
 
 CTX = StageContext(rollout_id="test", fetch_timeout_s=30)
-
-
-def _state(seed: int = 0) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        "a.weight": torch.randn(300, 400, generator=generator),  # several 256 KiB buckets
-        "b.bias": torch.randn(7, generator=generator).to(torch.bfloat16),
-        "c.steps": torch.arange(5),
-    }
 
 
 def _publish_ctx() -> PublishContext:
@@ -43,7 +34,7 @@ def _publish_ctx() -> PublishContext:
 
 
 async def test_learner_rollout_and_engine_halves_round_trip() -> None:
-    state = _state()
+    state = sample_state()
     transport = transports.get(TransportKind.shared_memory)
     prepared = transport.prepare(3, state, _publish_ctx())
     try:
@@ -67,7 +58,7 @@ async def test_learner_rollout_and_engine_halves_round_trip() -> None:
 
 
 async def test_stage_verifies_checksums_and_refuses_missing_segments() -> None:
-    packed = Packed(_state(1))
+    packed = Packed(sample_state(1))
     name = f"grpo_test_{uuid.uuid4().hex[:10]}"
     producer = packed.to_segment(name)
     transport = transports.get(TransportKind.shared_memory)
@@ -88,7 +79,7 @@ async def test_stage_verifies_checksums_and_refuses_missing_segments() -> None:
 
 
 def test_create_attach_read_unlink() -> None:
-    state = _state()
+    state = sample_state()
     size = packed_size(plan_layout(state))
     name = f"grpo-test-{uuid.uuid4().hex[:10]}"
     producer = create_segment(name, size)
@@ -127,7 +118,7 @@ segment.close()
 
 
 def test_consumer_process_reads_segment_and_exit_does_not_unlink_it(tmp_path) -> None:
-    state = {k: v.contiguous() for k, v in _state().items() if v.numel()}
+    state = {k: v.contiguous() for k, v in sample_state().items() if v.numel()}
     size = packed_size(plan_layout(state))
     name = f"grpo-test-{uuid.uuid4().hex[:10]}"
     producer = create_segment(name, size)

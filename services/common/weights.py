@@ -2,20 +2,21 @@
 
 The learner packs its `state_dict()` (HF names, unsharded, in module order so tied heads and
 layer-wise loaders see every tensor) into a contiguous buffer split into buckets; each bucket gets
-a SHA-256. Rollouts receive the same bytes by any transport (`services/transports/`), verify every
-bucket, and rebuild tensors with `torch.frombuffer` - no pickle anywhere. This layout is the one
-thing all transports share.
+a checksum (`checksums.py`: xxh3_64 over host bytes, wsum64 on a device). Rollouts receive the same
+bytes by any transport (`services/transports/`), verify every bucket, and rebuild tensors with
+`torch.frombuffer` - no pickle anywhere. This layout is the one thing all transports share.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from grpo.common.v1 import types_pb2
+from services.common import checksums
+from services.common.checksums import ChecksumAlgorithm
 from services.common.errors import DataLoss, InvalidArgument
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -64,7 +65,7 @@ class BucketEntry:
     index: int
     offset: int
     nbytes: int
-    sha256: str
+    digest: str
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     buckets: tuple[BucketEntry, ...]
     total_bytes: int
+    algorithm: ChecksumAlgorithm = ChecksumAlgorithm.xxh3_64
 
 
 def plan_layout(state: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
@@ -101,26 +103,33 @@ def pack_into(state: Mapping[str, torch.Tensor], entries: list[TensorEntry], buf
         dst.copy_(src.view(torch.uint8))
 
 
-def checksum_buckets(
-    buffer: memoryview, total: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> list[BucketEntry]:
-    """Split [0, total) into buckets and hash each one."""
-    buckets = []
+def bucket_ranges(total: int, bucket_bytes: int) -> Iterator[tuple[int, int, int]]:
+    """(index, offset, size) of the buckets that tile [0, total)."""
     for index, start in enumerate(range(0, total, bucket_bytes)):
-        size = min(bucket_bytes, total - start)
-        digest = hashlib.sha256(buffer[start : start + size]).hexdigest()
-        buckets.append(BucketEntry(index, start, size, digest))
-    return buckets
+        yield index, start, min(bucket_bytes, total - start)
 
 
-def verify_buckets(buffer: memoryview, buckets: tuple[BucketEntry, ...] | list[BucketEntry]) -> None:
+def checksum_buckets(
+    buffer: memoryview | torch.Tensor,
+    total: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    algorithm: ChecksumAlgorithm = ChecksumAlgorithm.xxh3_64,
+) -> list[BucketEntry]:
+    """Split [0, total) into buckets and checksum each one (bytes, or a uint8 tensor on any device)."""
+    return [
+        BucketEntry(index, start, size, checksums.digest(algorithm, buffer[start : start + size]))
+        for index, start, size in bucket_ranges(total, bucket_bytes)
+    ]
+
+
+def verify_buckets(buffer: memoryview | torch.Tensor, manifest: Manifest) -> None:
     """Raise DataLoss naming the first bucket whose bytes do not match their checksum."""
-    for bucket in buckets:
-        got = hashlib.sha256(buffer[bucket.offset : bucket.offset + bucket.nbytes]).hexdigest()
-        if got != bucket.sha256:
+    for bucket in manifest.buckets:
+        got = checksums.digest(manifest.algorithm, buffer[bucket.offset : bucket.offset + bucket.nbytes])
+        if got != bucket.digest:
             raise DataLoss(
-                f"weight bucket {bucket.index} checksum mismatch: "
-                f"expected {bucket.sha256[:12]}…, got {got[:12]}…"
+                f"weight bucket {bucket.index} checksum mismatch ({manifest.algorithm}): "
+                f"expected {bucket.digest}, got {got}"
             )
 
 
@@ -152,25 +161,31 @@ def chunk_ranges(
 def manifest_to_proto(manifest: Manifest, message: types_pb2.WeightVersion) -> None:
     """Fill the manifest fields (tensors, buckets, total_bytes) of a WeightVersion message."""
     message.total_bytes = manifest.total_bytes
+    message.checksum_algorithm = checksums.to_proto(manifest.algorithm)
     for t in manifest.tensors:
         message.tensors.add(name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset, nbytes=t.nbytes)
     for b in manifest.buckets:
-        message.buckets.add(index=b.index, offset=b.offset, nbytes=b.nbytes, sha256=b.sha256)
+        message.buckets.add(index=b.index, offset=b.offset, nbytes=b.nbytes, digest=b.digest)
 
 
 def manifest_from_proto(message: types_pb2.WeightVersion) -> Manifest:
     """Validate and convert the manifest of a WeightVersion message (InvalidArgument if inconsistent)."""
     tensors = tuple(TensorEntry(t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in message.tensors)
-    buckets = tuple(BucketEntry(b.index, b.offset, b.nbytes, b.sha256) for b in message.buckets)
+    buckets = tuple(BucketEntry(b.index, b.offset, b.nbytes, b.digest) for b in message.buckets)
     if not tensors or not buckets:
         raise InvalidArgument(f"weight version {message.version} has an empty manifest")
-    _check_buckets(buckets, message.total_bytes)
+    algorithm = checksums.from_proto(message.checksum_algorithm)
+    if algorithm is None:
+        raise InvalidArgument(
+            f"weight version {message.version}: unknown checksum_algorithm {message.checksum_algorithm}"
+        )
+    _check_buckets(buckets, message.total_bytes, algorithm)
     _check_tensors(tensors, message.total_bytes)
-    return Manifest(tensors, buckets, message.total_bytes)
+    return Manifest(tensors, buckets, message.total_bytes, algorithm)
 
 
-def _check_buckets(buckets: tuple[BucketEntry, ...], total: int) -> None:
-    """Buckets must tile [0, total) in order, numbered 0..n-1, each with a SHA-256 hex digest."""
+def _check_buckets(buckets: tuple[BucketEntry, ...], total: int, algorithm: ChecksumAlgorithm) -> None:
+    """Buckets must tile [0, total) in order, numbered 0..n-1, each with a hex digest of `algorithm`."""
     expected_offset = 0
     for position, b in enumerate(buckets):
         if b.index != position:
@@ -180,8 +195,12 @@ def _check_buckets(buckets: tuple[BucketEntry, ...], total: int) -> None:
                 f"bucket {b.index} covers [{b.offset}, {b.offset + b.nbytes}) but must start at "
                 f"{expected_offset} and be non-empty (buckets tile the buffer in order)"
             )
-        if len(b.sha256) != 64:
-            raise InvalidArgument(f"bucket {b.index} sha256 must be 64 hex digits, got {b.sha256!r}")
+        width = checksums.DIGEST_HEX_CHARS[algorithm]
+        if len(b.digest) != width or any(c not in "0123456789abcdef" for c in b.digest):
+            raise InvalidArgument(
+                f"bucket {b.index} digest must be {width} lower-case hex digits ({algorithm}), "
+                f"got {b.digest[:80]!r}"
+            )
         expected_offset += b.nbytes
     if expected_offset != total:
         raise InvalidArgument(f"buckets cover {expected_offset} bytes but total_bytes is {total}")
@@ -212,7 +231,7 @@ def _check_tensors(tensors: tuple[TensorEntry, ...], total: int) -> None:
 def build_manifest(
     state: Mapping[str, torch.Tensor], buffer: memoryview, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> Manifest:
-    """Pack `state` into `buffer` (sized with `packed_size(plan_layout(state))`) and checksum it."""
+    """Pack `state` into host `buffer` (sized with `packed_size(plan_layout(state))`) and checksum it."""
     entries = plan_layout(state)
     total = packed_size(entries)
     pack_into(state, entries, buffer)

@@ -137,8 +137,23 @@ class PublishConfig(_Section):
     chunk_bytes: int = Field(
         default=CHUNK_BYTES, gt=0, le=CHUNK_BYTES, description="FetchWeights chunk size (≤ 1 MiB)."
     )
+    collective_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="nccl transport: seconds for every receiver to join the group, and for each bucket's "
+        "broadcast; past it the version fails and the group is rebuilt.",
+    )
+    collective_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="nccl transport: the rendezvous port; 0 = any free port.",
+    )
     bucket_bytes: int = Field(
-        default=DEFAULT_BUCKET_BYTES, gt=0, description="Checksummed bucket size of the packed weights."
+        default=DEFAULT_BUCKET_BYTES,
+        gt=0,
+        multiple_of=64,
+        description="Bucket size of the packed weights: the unit of checksums and of collective broadcasts.",
     )
 
 

@@ -4,8 +4,10 @@ Every model operation (load, train step, scoring, weight export + packing, check
 dedicated worker thread: the event loop never blocks, and the model is never used by two operations
 at once. That includes turning a request into training samples: `train_step` takes a decoder that
 the thread runs, so the O(tokens) conversion and validation of a big batch never stall health
-checks or FetchWeights. Calls queue behind each other in arrival order; a second TrainStep while one
-is queued or running is refused with ResourceExhausted (backpressure instead of an unbounded queue).
+checks or FetchWeights; and pushing weights (an nccl broadcast), which runs in the same job as
+packing them, so no optimizer step can interleave. Calls queue behind each other in arrival order;
+a second TrainStep while one is queued or running is refused with ResourceExhausted (backpressure
+instead of an unbounded queue).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -25,7 +28,7 @@ from services.learner.batching import Sample, validate_sample
 from services.learner.config import LearnerSettings
 from services.learner.publish import PreparedStore
 from services.learner.trainer import StepOutcome, Trainer
-from services.transports import Prepared, PublishContext, TransportKind
+from services.transports import Prepared, PublishContext, Receiver, TransportKind
 from services.transports import registry as transports
 from services.transports.grpc_stream import chunks
 
@@ -48,6 +51,17 @@ class LearnerState:
     dtype: str
 
 
+def _resolve(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _log_publish_failure(job: asyncio.Future) -> None:
+    """A publish that raised after its version was described (transports log their own failures)."""
+    if not job.cancelled() and job.exception() is not None:
+        log.error("publishing weights failed", error=f"{type(job.exception()).__name__}: {job.exception()}")
+
+
 class Learner:
     """Domain operations of the learner, each async and safe to call from RPC handlers."""
 
@@ -64,6 +78,8 @@ class Learner:
             bucket_bytes=settings.publish.bucket_bytes,
             chunk_bytes=settings.publish.chunk_bytes,
             advertise_address=self.advertise_address,
+            collective_timeout_s=settings.publish.collective_timeout_s,
+            collective_port=settings.publish.collective_port,
         )
 
     async def start(self) -> None:
@@ -147,17 +163,37 @@ class Learner:
 
     # ------------------------------------------------------------------ publishing weights
 
-    async def prepare_weights(self, kind: TransportKind) -> tuple[Prepared, float]:
-        """The current weights packed by transport `kind` (existing if already prepared) and the ms spent."""
+    async def prepare_weights(
+        self, kind: TransportKind, receivers: tuple[Receiver, ...] = ()
+    ) -> tuple[Prepared, float]:
+        """The current weights packed by transport `kind` (existing if already prepared) and the ms spent.
+
+        Answers as soon as the version is described; a transport that pushes (a broadcast) then
+        publishes it on the model thread in the same job, so no train step can change the weights
+        between the description and the push.
+        """
         trainer = self._ready()
         transport = transports.get(kind)
+        loop = asyncio.get_running_loop()
+        described: asyncio.Future[tuple[Prepared, float]] = loop.create_future()
 
-        def prepare() -> tuple[Prepared, float]:
+        def prepare_and_publish() -> None:
             started = time.perf_counter()
-            item, fresh = self.store.prepare(trainer.weight_version, transport, trainer.export, self._publish)
-            return item, (time.perf_counter() - started) * 1e3 if fresh else 0.0
+            export = partial(trainer.export, snapshot=not transport.live_state)
+            item, fresh = self.store.prepare(
+                trainer.weight_version, transport, export, self._publish, receivers
+            )
+            ms = (time.perf_counter() - started) * 1e3 if fresh else 0.0
+            loop.call_soon_threadsafe(_resolve, described, (item, ms))
+            if fresh:
+                item.publish()
 
-        item, ms = await self._run(prepare)
+        job = loop.run_in_executor(self._executor, prepare_and_publish)
+        await asyncio.wait({described, job}, return_when=asyncio.FIRST_COMPLETED)
+        if not described.done():
+            job.result()  # prepare raised: its error is the answer
+        item, ms = described.result()
+        job.add_done_callback(_log_publish_failure)
         log.info(
             "weights prepared",
             version=item.version,

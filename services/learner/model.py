@@ -99,14 +99,18 @@ def token_logprobs(
     return logp, entropy
 
 
-def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    out = tensor.detach().to("cpu", copy=True)
+def _exported(tensor: torch.Tensor, dtype: torch.dtype | None, snapshot: bool) -> torch.Tensor:
+    """A CPU copy (snapshot), or the tensor itself where it lives (dtype-converted only if asked)."""
+    out = tensor.detach().to("cpu", copy=True) if snapshot else tensor.detach()
     return out.to(dtype) if dtype is not None and out.is_floating_point() else out
 
 
 @torch.no_grad()
-def export_state(model: torch.nn.Module, fmt: str = "full", dtype: torch.dtype | None = None) -> OrderedDict:
-    """Weights to send to rollouts, as CPU copies (a stable snapshot).
+def export_state(
+    model: torch.nn.Module, fmt: str = "full", dtype: torch.dtype | None = None, snapshot: bool = True
+) -> OrderedDict:
+    """Weights to send to rollouts: CPU copies (a stable snapshot), or with `snapshot=False` the model's
+    own tensors on their device without a copy (merged LoRA weights are new tensors either way).
 
     full:    every `state_dict()` entry in HF names (tied lm_head included); for a LoRA model the
              adapters are merged into their base weights (W + B·A·α/r) without touching the model,
@@ -120,9 +124,11 @@ def export_state(model: torch.nn.Module, fmt: str = "full", dtype: torch.dtype |
             raise ValueError("adapter export needs a LoRA model")
         from peft import get_peft_model_state_dict
 
-        return OrderedDict((k, _cpu_copy(v, dtype)) for k, v in get_peft_model_state_dict(model).items())
+        return OrderedDict(
+            (k, _exported(v, dtype, snapshot)) for k, v in get_peft_model_state_dict(model).items()
+        )
     if not is_lora(model):
-        return OrderedDict((k, _cpu_copy(v, dtype)) for k, v in model.state_dict().items())
+        return OrderedDict((k, _exported(v, dtype, snapshot)) for k, v in model.state_dict().items())
     base = model.get_base_model()
     adapter = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapter[0]
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -130,16 +136,16 @@ def export_state(model: torch.nn.Module, fmt: str = "full", dtype: torch.dtype |
         if ".lora_" in key:
             continue
         if ".base_layer." not in key:
-            out[key] = _cpu_copy(value, dtype)
+            out[key] = _exported(value, dtype, snapshot)
             continue
         module_name, _, leaf = key.partition(".base_layer.")
         name = f"{module_name}.{leaf}"
         if leaf == "weight":
             layer = base.get_submodule(module_name)
             merged = value.float() + layer.get_delta_weight(adapter).float()
-            out[name] = _cpu_copy(merged.to(value.dtype), dtype)
+            out[name] = _exported(merged.to(value.dtype), dtype, snapshot)
         else:
-            out[name] = _cpu_copy(value, dtype)
+            out[name] = _exported(value, dtype, snapshot)
     return out
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted
-from services.transports import Prepared, PublishContext, WeightTransport
+from services.transports import Prepared, PublishContext, Receiver, WeightTransport
 
 
 class PreparedStore:
@@ -42,6 +42,7 @@ class PreparedStore:
         transport: WeightTransport,
         export: Callable[[], Mapping[str, torch.Tensor]],
         ctx: PublishContext,
+        receivers: tuple[Receiver, ...] = (),
     ) -> tuple[Prepared, bool]:
         """`version` packed by `transport` (exported only when new). Returns (item, newly prepared).
 
@@ -62,7 +63,7 @@ class PreparedStore:
                     f"{len(self._items)} weight versions already prepared (max {self.max_prepared}): "
                     f"release some of {sorted(self._items)} first"
                 )
-        item = transport.prepare(version, export(), ctx)
+        item = transport.prepare(version, export(), ctx, receivers)
         with self._lock:
             self._items[version] = item
         return item, True

@@ -13,6 +13,7 @@ from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.common.errors import InvalidArgument
 from services.learner.batching import Sample
 from services.learner.learner import Decoded, Learner
+from services.transports import Receiver
 from services.transports import registry as transports
 
 
@@ -59,8 +60,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         return learner_pb2.TrainStepResponse(result=result)
 
     async def PrepareWeights(self, request, context) -> learner_pb2.PrepareWeightsResponse:
+        receivers = tuple(Receiver(r.rollout_id, r.instance_id, r.workers) for r in request.receivers)
         prepared, prepare_ms = await self.learner.prepare_weights(
-            transports.kind_from_proto(request.transport)
+            transports.kind_from_proto(request.transport), receivers
         )
         return learner_pb2.PrepareWeightsResponse(
             weight_version=transports.describe(prepared), prepare_ms=prepare_ms

@@ -191,9 +191,9 @@ class Trainer:
             logp, _ = token_logprobs(self.model, mb)
         return logp[0].float().cpu().tolist()
 
-    def export(self) -> dict[str, torch.Tensor]:
-        """A CPU snapshot of the weights to publish (see model.export_state)."""
-        return export_state(self.model, self.settings.publish.export_format, self.export_dtype)
+    def export(self, snapshot: bool = True) -> dict[str, torch.Tensor]:
+        """The weights to publish (see model.export_state): a CPU snapshot, or the live tensors."""
+        return export_state(self.model, self.settings.publish.export_format, self.export_dtype, snapshot)
 
     # ------------------------------------------------------------------ checkpoints
 

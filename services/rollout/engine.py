@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.weights import Manifest
 from services.transports import LoadPlan
@@ -99,6 +100,16 @@ class RolloutEngine(abc.ABC):
         Pauses generation (unfinished requests keep their place), loads in place, resets the
         prefix cache, stamps subsequent tokens with `version` and resumes.
         """
+
+    @abc.abstractmethod
+    async def call_workers(self, kind: str, op: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run weight transport `kind`'s worker operation `op` in every process that holds the model
+        (each vLLM worker; the transformers engine's own process) and return each one's reply."""
+
+    @property
+    @abc.abstractmethod
+    def weight_workers(self) -> int:
+        """How many processes hold the model (and receive collective weight transfers)."""
 
     @abc.abstractmethod
     async def set_weight_version(self, version: int) -> None:

@@ -31,8 +31,8 @@ from services.rollout.engine import (
     Sampling,
     VersionSpan,
 )
-from services.transports import LoadPlan
-from services.transports.registry import open_tensors
+from services.transports import LoadPlan, WorkerContext
+from services.transports.registry import open_tensors, worker_op
 
 log = get_logger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,6 +92,7 @@ class HfEngine(RolloutEngine):
         self._version = 0
         self._max_model_len = settings.max_model_len
         self._generator = torch.Generator().manual_seed(settings.seed)
+        self._worker: WorkerContext | None = None  # this process, as weight transports see it
         self._batcher: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -113,6 +114,7 @@ class HfEngine(RolloutEngine):
                 f"max_model_len {settings.max_model_len} exceeds the model's {limit} positions"
             )
         self._max_model_len = settings.max_model_len or limit
+        self._worker = WorkerContext(state={}, local_rank=0, device=torch.device(device))
         self._tokenizer = AutoTokenizer.from_pretrained(
             settings.tokenizer or settings.model, trust_remote_code=settings.trust_remote_code
         )
@@ -280,7 +282,8 @@ class HfEngine(RolloutEngine):
                 f"weights v{version} do not match the model: missing {sorted(expected - names)[:5]}, "
                 f"unexpected {sorted(names - expected)[:5]}"
             )
-        with open_tensors(plan, list(manifest.tensors)) as tensors:
+        assert self._worker is not None
+        with open_tensors(plan, list(manifest.tensors), self._worker) as tensors:
             self._model.load_state_dict(dict(tensors), strict=True)
         self._version = version
         return (time.perf_counter() - started) * 1e3
@@ -290,6 +293,17 @@ class HfEngine(RolloutEngine):
         loop = asyncio.get_running_loop()
         load_ms = await loop.run_in_executor(self._executor, self._swap_weights, plan, manifest, version)
         return LoadTimings(pause_ms=(time.perf_counter() - requested) * 1e3, load_ms=load_ms)
+
+    async def call_workers(self, kind: str, op: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+        """This process is the one worker; transport operations run off the loop and off the engine
+        thread (a collective receive must not stall generation)."""
+        if self._worker is None:
+            raise FailedPrecondition("the transformers engine is still loading")
+        return [await asyncio.to_thread(worker_op, kind, op, spec, self._worker)]
+
+    @property
+    def weight_workers(self) -> int:
+        return 1
 
     async def set_weight_version(self, version: int) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, setattr, self, "_version", version)

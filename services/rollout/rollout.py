@@ -11,6 +11,7 @@ import enum
 import importlib.util
 import os
 import socket
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,6 +64,8 @@ class RolloutState:
     in_flight: int
     max_in_flight: int
     tokens_generated: int
+    weight_workers: int
+    instance_id: str
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,9 @@ class Rollout:
     def __init__(self, settings: RolloutSettings, engine: RolloutEngine | None = None) -> None:
         self.settings = settings
         self.rollout_id = settings.rollout_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.instance_id = uuid.uuid4().hex[:12]  # a restarted rollout is a new group member
         self._engine = engine or build_engine(settings)
-        self._stager = WeightStager(self.rollout_id, settings.fetch_timeout_s)
+        self._stager = WeightStager(self.rollout_id, settings.fetch_timeout_s, self._engine)
         self._tokenize_pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
         self._tokenizer: Any = None
         self._vocab_size = 0
@@ -248,4 +252,6 @@ class Rollout:
             in_flight=len(self._in_flight),
             max_in_flight=self.settings.max_in_flight,
             tokens_generated=self._tokens_generated,
+            weight_workers=self._engine.weight_workers,
+            instance_id=self.instance_id,
         )

@@ -135,4 +135,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             in_flight=state.in_flight,
             max_in_flight=state.max_in_flight,
             tokens_generated=state.tokens_generated,
+            weight_workers=state.weight_workers,
+            instance_id=state.instance_id,
         )

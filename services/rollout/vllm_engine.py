@@ -66,6 +66,7 @@ class VllmEngine(RolloutEngine):
         self._settings = settings
         self._llm: Any = None
         self._version = 0
+        self._workers = 0
         self._update_lock = asyncio.Lock()
 
     async def start(self) -> None:
@@ -96,6 +97,7 @@ class VllmEngine(RolloutEngine):
         # start; vLLM starts its output tasks lazily on this loop at the first call below.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         await self.set_weight_version(0)
+        self._workers = len(await self._llm.collective_rpc("grpo_worker_rank", timeout=60))
         log.info(
             "vllm engine started",
             model=settings.model,
@@ -239,6 +241,17 @@ class VllmEngine(RolloutEngine):
             load_ms=(loaded - loading) * 1e3,
             extra={"worker_load_ms": worker_ms},
         )
+
+    async def call_workers(self, kind: str, op: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+        kwargs = {"kind": kind, "op": op, "spec": spec}
+        try:
+            return list(await self._llm.collective_rpc("grpo_transport_op", timeout=60, kwargs=kwargs))
+        except Exception as exc:
+            raise FailedPrecondition(f"vLLM workers failed {kind} {op}: {exc}") from exc
+
+    @property
+    def weight_workers(self) -> int:
+        return self._workers
 
     async def set_weight_version(self, version: int) -> None:
         await self._llm.update_weight_version(str(version))

@@ -1,10 +1,16 @@
-"""vLLM worker extension: load a staged weight version in place, inside each worker process.
+"""vLLM worker extension: weight transports' worker operations and in-place loads, in each worker.
 
-vLLM appends this class to its worker's bases (`worker_extension_cls=`), and the rollout calls
-`grpo_load_weights` through `AsyncLLM.collective_rpc` on every worker. Arguments are plain data (a
-transport kind, its JSON-like spec, and the manifest's tensors as lists), because vLLM's msgpack RPC
-rejects dtypes objects and does not reliably carry tensors; the transport's engine half
-(`services.transports.registry.open_tensors`) rebuilds zero-copy tensor views here: no pickle.
+vLLM appends this class to its worker's bases (`worker_extension_cls=`), and the rollout calls these
+methods through `AsyncLLM.collective_rpc` on every worker:
+
+    grpo_worker_rank()                    which worker this is (the rollout counts its workers)
+    grpo_transport_op(kind, op, spec)     a transport's worker operation (nccl: join the group and
+                                          receive a version in a background thread; poll it)
+    grpo_load_weights(kind, spec, ...)    open a staged version where it lies and load it
+
+Arguments are plain data (a transport kind, JSON-like specs, the manifest's tensors as lists),
+because vLLM's msgpack RPC rejects dtype objects and does not reliably carry tensors; the transport's
+engine half (`services.transports`) rebuilds zero-copy tensor views here: no pickle.
 
 Loading goes through the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`
 (layer-wise, quantisation-safe, works on the CPU backend where plain `model.load_weights` fails).
@@ -19,12 +25,27 @@ from typing import Any
 import torch
 
 from services.common.weights import TensorEntry
-from services.transports import LoadPlan, TransportKind
-from services.transports.registry import open_tensors
+from services.transports import LoadPlan, TransportKind, WorkerContext
+from services.transports.registry import open_tensors, worker_op
 
 
 class GrpoWorkerExtension:
     """Mixed into vLLM's worker class; methods run inside each worker process."""
+
+    def _grpo_worker(self) -> WorkerContext:
+        """This worker as the weight transports see it (state kept across versions)."""
+        context = getattr(self, "_grpo_worker_context", None)
+        if context is None:
+            rank = int(getattr(self, "rank", 0))
+            context = WorkerContext(state={}, local_rank=rank, device=self.device)  # type: ignore[attr-defined]
+            self._grpo_worker_context = context
+        return context
+
+    def grpo_worker_rank(self) -> int:
+        return self._grpo_worker().local_rank
+
+    def grpo_transport_op(self, kind: str, op: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return worker_op(kind, op, spec, self._grpo_worker())
 
     def grpo_load_weights(
         self, kind: str, spec: dict[str, Any], tensors: list[list[Any]]
@@ -35,7 +56,7 @@ class GrpoWorkerExtension:
             TensorEntry(name, dtype, tuple(shape), offset, nbytes)
             for name, dtype, shape, offset, nbytes in tensors
         ]
-        with open_tensors(LoadPlan(TransportKind(kind), spec), entries) as weights:
+        with open_tensors(LoadPlan(TransportKind(kind), spec), entries, self._grpo_worker()) as weights:
             self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
         if torch.cuda.is_available():
             torch.cuda.synchronize()

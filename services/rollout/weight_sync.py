@@ -15,7 +15,7 @@ import asyncio
 
 from services.common.errors import Aborted, FailedPrecondition
 from services.common.logging import get_logger
-from services.transports import StageContext, Staged, StageTarget
+from services.transports import EngineWorkers, StageContext, Staged, StageTarget
 from services.transports import registry as transports
 
 log = get_logger(__name__)
@@ -24,8 +24,8 @@ log = get_logger(__name__)
 class WeightStager:
     """The one staged slot, guarded by a lock so stage / take / abort never interleave."""
 
-    def __init__(self, rollout_id: str, fetch_timeout_s: float) -> None:
-        self._ctx = StageContext(rollout_id=rollout_id, fetch_timeout_s=fetch_timeout_s)
+    def __init__(self, rollout_id: str, fetch_timeout_s: float, workers: EngineWorkers | None = None) -> None:
+        self._ctx = StageContext(rollout_id=rollout_id, fetch_timeout_s=fetch_timeout_s, workers=workers)
         self._staged: Staged | None = None
         self._lock = asyncio.Lock()
 

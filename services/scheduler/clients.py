@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from grpo.common.v1 import types_pb2
-from services.transports import TransportKind
+from services.transports import Receiver, TransportKind
 
 Split = Literal["train", "eval"]
 
@@ -87,6 +87,7 @@ class PreparedWeights:
     version: int
     message: types_pb2.WeightVersion
     prepare_ms: float
+    stage_timeout: float | None = None  # a collective transfer's own bound on staging, if it has one
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class RolloutInfo:
     weight_version: int
     ready: bool  # loaded and accepting work (READY or UPDATING)
     max_in_flight: int
+    weight_workers: int = 1  # processes that receive collective weight transfers
+    instance_id: str = ""  # changes when the rollout restarts
 
 
 class EnvClient(Protocol):
@@ -124,7 +127,8 @@ class LearnerClient(Protocol):
 
     async def train_step(self, batch: Batch) -> StepResult: ...
 
-    async def prepare(self, kind: TransportKind) -> PreparedWeights: ...
+    async def prepare(self, kind: TransportKind, receivers: Sequence[Receiver] = ()) -> PreparedWeights:
+        """Publish the current weights; collective transports need every receiving rollout named."""
 
     async def release(self, version: int) -> None: ...
 
@@ -143,7 +147,8 @@ class RolloutClient(Protocol):
     ) -> list[types_pb2.Completion]:
         """All `sampling.n` completions of one prompt (in any order)."""
 
-    async def stage(self, weights: types_pb2.WeightVersion) -> None: ...
+    async def stage(self, weights: types_pb2.WeightVersion, deadline_s: float | None = None) -> None:
+        """Fetch/receive + verify a version; `deadline_s` shortens the configured deadline."""
 
     async def commit(self, version: int) -> int:
         """Load the staged `version`; returns the version now loaded."""

@@ -26,7 +26,7 @@ from services.scheduler.clients import (
     TokenScores,
 )
 from services.scheduler.config import TimeoutSettings
-from services.transports import TransportKind
+from services.transports import Receiver, TransportKind
 from services.transports.registry import kind_to_proto
 
 _SPLITS = {"train": env_pb2.SPLIT_TRAIN, "eval": env_pb2.SPLIT_EVAL}
@@ -91,10 +91,22 @@ class GrpcLearnerClient(GrpcClient[learner_pb2_grpc.LearnerServiceStub]):
         result = (await self.unary("TrainStep", request, self._timeouts.train_step)).result
         return StepResult(result.step, result.weight_version, dict(result.metrics))
 
-    async def prepare(self, kind: TransportKind) -> PreparedWeights:
-        request = learner_pb2.PrepareWeightsRequest(transport=kind_to_proto(kind))
+    async def prepare(self, kind: TransportKind, receivers: Sequence[Receiver] = ()) -> PreparedWeights:
+        request = learner_pb2.PrepareWeightsRequest(
+            transport=kind_to_proto(kind),
+            receivers=[
+                learner_pb2.WeightReceiver(
+                    rollout_id=r.rollout_id, instance_id=r.instance_id, workers=r.workers
+                )
+                for r in receivers
+            ],
+        )
         response = await self.unary("PrepareWeights", request, self._timeouts.weight_sync)
-        return PreparedWeights(response.weight_version.version, response.weight_version, response.prepare_ms)
+        wv = response.weight_version
+        stage_timeout = None
+        if wv.WhichOneof("transport") == "nccl":  # joining + each bucket have the deadline, plus slack
+            stage_timeout = wv.nccl.deadline_seconds * (len(wv.buckets) + 1) + 10.0
+        return PreparedWeights(wv.version, wv, response.prepare_ms, stage_timeout)
 
     async def release(self, version: int) -> None:
         request = learner_pb2.ReleaseWeightsRequest(version=version)
@@ -119,7 +131,12 @@ class GrpcRolloutClient(GrpcClient[rollout_pb2_grpc.RolloutServiceStub]):
         request = rollout_pb2.GetRolloutStateRequest()
         s = await self.unary("GetRolloutState", request, self._timeouts.control)
         return RolloutInfo(
-            s.rollout_id or self.address, s.weight_version, s.status in _READY, s.max_in_flight
+            s.rollout_id or self.address,
+            s.weight_version,
+            s.status in _READY,
+            s.max_in_flight,
+            max(1, s.weight_workers),
+            s.instance_id,
         )
 
     async def generate(
@@ -136,9 +153,12 @@ class GrpcRolloutClient(GrpcClient[rollout_pb2_grpc.RolloutServiceStub]):
         request = rollout_pb2.GenerateRequest(request_id=request_id, prompt=prompt, sampling_params=params)
         return [item.completion async for item in self.stream("Generate", request, self._timeouts.generate)]
 
-    async def stage(self, weights: types_pb2.WeightVersion) -> None:
+    async def stage(self, weights: types_pb2.WeightVersion, deadline_s: float | None = None) -> None:
         request = rollout_pb2.StageWeightsRequest(weight_version=weights)
-        await self.unary("StageWeights", request, self._timeouts.weight_sync)
+        deadline = (
+            self._timeouts.weight_sync if deadline_s is None else min(deadline_s, self._timeouts.weight_sync)
+        )
+        await self.unary("StageWeights", request, deadline)
 
     async def commit(self, version: int) -> int:
         request = rollout_pb2.CommitWeightsRequest(version=version)

@@ -30,6 +30,8 @@ class RolloutHandle:
     healthy: bool = False
     syncing: bool = False
     needs_sync: bool = False
+    weight_workers: int = 1
+    instance_id: str = ""
 
     @property
     def name(self) -> str:
@@ -73,6 +75,7 @@ class RolloutPool:
         handle.rollout_id = info.rollout_id
         handle.version = info.weight_version
         handle.max_in_flight = max(1, info.max_in_flight)
+        handle.weight_workers, handle.instance_id = info.weight_workers, info.instance_id
         if info.ready and not handle.healthy:
             handle.needs_sync = handle.version != current_version
             log.info(

@@ -6,9 +6,11 @@
     probe: learner.score_tokens vs rollout.score_tokens on a fixed sequence → max |Δ logprob|
     learner.release(v)
 
-A rollout that fails to stage or commit is aborted (when reachable) and marked unhealthy: the health
-monitor brings it back and it catches up later; the others still move to v, so one dead worker never
-stalls training.
+A rollout that fails to stage or commit is dropped from this sync, so one dead worker never stalls
+training: an unreachable one is marked unhealthy (the health monitor brings it back when it answers);
+a reachable one is told to abort and waits for its next sync without work (`needs_sync`), which the
+health monitor's next round retries. With a collective transport (nccl) one member's failure fails
+the version for every member; the retry builds a new group of those still there.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from services.common.errors import FailedPrecondition, GrpoError
 from services.common.logging import get_logger
 from services.scheduler.clients import LearnerClient
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
-from services.transports import TransportKind
+from services.transports import Receiver, TransportKind
 
 log = get_logger(__name__)
 
@@ -52,13 +54,17 @@ class WeightSyncer:
     async def sync(self, targets: list[RolloutHandle]) -> SyncResult:
         """Move `targets` to the learner's current weights (two-phase). Caller holds `lock`."""
         started = time.perf_counter()
-        prepared = await self._learner.prepare(self._kind)
+        receivers = [Receiver(h.rollout_id, h.instance_id, h.weight_workers) for h in targets]
+        prepared = await self._learner.prepare(self._kind, receivers)
         after_prepare = time.perf_counter()
         for handle in targets:
             handle.syncing = True
         try:
             staged = await self._phase(
-                targets, "stage", lambda h: h.client.stage(prepared.message), prepared.version
+                targets,
+                "stage",
+                lambda h: h.client.stage(prepared.message, prepared.stage_timeout),
+                prepared.version,
             )
             after_stage = time.perf_counter()
             committed = await self._phase(
@@ -102,12 +108,16 @@ class WeightSyncer:
 
     async def _drop(self, handle: RolloutHandle, version: int, phase: str, exc: GrpoError) -> None:
         log.warning("weight sync failed on rollout", rollout=handle.name, phase=phase, error=str(exc))
-        if not exc.unreachable:
-            try:
-                await handle.client.abort(version)
-            except GrpoError as abort_exc:
-                log.warning("abort failed", rollout=handle.name, error=str(abort_exc))
-        await self._pool.mark(handle, healthy=False)
+        if exc.unreachable:
+            await self._pool.mark(handle, healthy=False)
+            return
+        handle.needs_sync = True  # no work until a later sync succeeds
+        try:
+            await handle.client.abort(version)
+        except GrpoError as abort_exc:
+            log.warning("abort failed", rollout=handle.name, error=str(abort_exc))
+            if abort_exc.unreachable:
+                await self._pool.mark(handle, healthy=False)
 
     async def probe(self, sequence: types_pb2.TokenSequence, rollouts: list[RolloutHandle]) -> float:
         """Max |learner − rollout| logprob over the probe tokens, across `rollouts`.

@@ -8,7 +8,7 @@ contract, `registry.py` says which kinds exist):
 | `grpc_stream`   | `grpc_stream.py`   | anywhere: FetchWeights chunk stream        |
 | `shared_memory` | `shared_memory.py` | same host: a POSIX segment, zero copy      |
 | `cuda_ipc`      | planned            | same GPU                                   |
-| `nccl`          | planned            | other GPUs / hosts                         |
+| `nccl`          | `nccl.py`          | other GPUs / hosts: NCCL; CPU: Gloo        |
 | `checkpoint`    | planned            | shared file system                         |
 
 This package depends only on `services.common` and the generated contracts; the learner and the
@@ -16,23 +16,29 @@ rollout use it, the scheduler only names kinds.
 """
 
 from services.transports.base import (
+    EngineWorkers,
     LoadPlan,
     Prepared,
     PublishContext,
+    Receiver,
     StageContext,
     Staged,
     StageTarget,
     TransportKind,
     WeightTransport,
+    WorkerContext,
 )
 
 __all__ = [
+    "EngineWorkers",
     "LoadPlan",
     "Prepared",
     "PublishContext",
+    "Receiver",
     "StageContext",
     "StageTarget",
     "Staged",
     "TransportKind",
     "WeightTransport",
+    "WorkerContext",
 ]

@@ -2,17 +2,22 @@
 
 A weight version travels learner → rollout in three halves, all in one module per transport:
 
-    learner half   prepare(version, state) → Prepared     pack a snapshot into the medium (model thread)
-                   write_descriptor(prepared, message)    how to reach it, into WeightVersion's oneof
-    rollout half   read_descriptor(message) → descriptor  the same fields back, validated
-                   await stage(target, ctx) → Staged      fetch/attach + verify checksums (event loop)
-    engine half    open_tensors(spec, tensors)             (name, tensor) views where the engine loads:
-                                                           the HF engine thread or each vLLM worker
+    learner half   prepare(version, state, ctx) → Prepared   pack into the medium (model thread);
+                   Prepared.publish()                       then, still on the model thread, push it
+                                                            (a broadcast; a no-op for pull transports)
+                   write_descriptor(prepared, message)      how to reach it, into WeightVersion's oneof
+    rollout half   read_descriptor(message) → descriptor    the same fields back, validated
+                   await stage(target, ctx) → Staged        fetch/attach/receive + verify checksums
+    engine half    worker_op(op, spec, worker)              runs in every process that holds the model
+                                                            (each vLLM worker; the HF engine's process):
+                                                            collective transports receive there
+                   open_tensors(spec, tensors, worker)      (name, tensor) views where the engine loads
 
-`Staged.plan` is plain data (a `LoadPlan`: a transport kind and a JSON-like spec) because it crosses
-vLLM's `collective_rpc` into worker processes: no pickle, no tensors, no dtypes objects. A transport
-that lands its bytes somewhere another transport can read (grpc_stream fetches into a shared-memory
-segment) hands over a plan of that other kind, so engines have one load path per medium.
+`Staged.plan` and every `worker_op` spec are plain data (a transport kind and a JSON-like spec)
+because they cross vLLM's `collective_rpc` into worker processes: no pickle, no tensors, no dtype
+objects. A transport that lands its bytes somewhere another transport can read (grpc_stream fetches
+into a shared-memory segment) hands over a plan of that other kind, so engines have one load path
+per medium.
 
 The scheduler only coordinates (it never looks inside a descriptor); the byte layout, checksums and
 manifest are common to all transports (`services/common/weights.py`).
@@ -23,9 +28,9 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -45,6 +50,15 @@ class TransportKind(StrEnum):
 
 
 @dataclass(frozen=True)
+class Receiver:
+    """A rollout that receives a version through a collective transport."""
+
+    rollout_id: str
+    instance_id: str  # changes when the rollout restarts
+    workers: int  # its processes that join the group
+
+
+@dataclass(frozen=True)
 class PublishContext:
     """What the learner half may need from the learner service (resolved lazily: only when used)."""
 
@@ -52,6 +66,9 @@ class PublishContext:
     bucket_bytes: int
     chunk_bytes: int
     advertise_address: Callable[[], str]  # host:port of the learner; raises FailedPrecondition if unknown
+    collective_timeout_s: float = 60.0
+    collective_port: int = 0  # the rendezvous store's port; 0 = any free port
+    state: dict[str, Any] = field(default_factory=dict)  # per-learner state a transport keeps (groups)
 
 
 class Prepared(abc.ABC):
@@ -71,6 +88,27 @@ class Prepared(abc.ABC):
     def close(self) -> None:
         """Free the medium (idempotent)."""
 
+    def publish(self) -> None:
+        """Push the version to its receivers; runs on the learner's model thread right after the
+        version is described to the caller, before any other model operation. Default: nothing (the
+        rollouts pull)."""
+        return None
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """One process that holds the model (a vLLM worker, or the transformers engine's process)."""
+
+    state: dict[str, Any]  # per-worker state a transport keeps across versions (groups, buffers)
+    local_rank: int  # index among the rollout's workers
+    device: torch.device
+
+
+class EngineWorkers(Protocol):
+    """The rollout engine as the transports see it: run a transport operation in every worker."""
+
+    async def call_workers(self, kind: str, op: str, spec: dict[str, Any]) -> list[dict[str, Any]]: ...
+
 
 @dataclass(frozen=True)
 class StageContext:
@@ -78,6 +116,7 @@ class StageContext:
 
     rollout_id: str
     fetch_timeout_s: float
+    workers: EngineWorkers | None = None
 
 
 @dataclass(frozen=True)
@@ -120,11 +159,22 @@ class WeightTransport(abc.ABC):
     """One transport: its learner, rollout and engine halves (see the module docstring)."""
 
     kind: ClassVar[TransportKind]
+    # True: `prepare` gets the model's own tensors (no snapshot copy) and must be done reading them
+    # when `publish` returns. False: it gets a CPU snapshot it may keep.
+    live_state: ClassVar[bool] = False
+    # True: receivers join a group and must be named to `prepare` (`receivers`).
+    collective: ClassVar[bool] = False
 
     # ---- learner half
     @abc.abstractmethod
-    def prepare(self, version: int, state: Mapping[str, torch.Tensor], ctx: PublishContext) -> Prepared:
-        """Pack `state` (a CPU snapshot in HF names) as `version`. Runs on the learner's model thread."""
+    def prepare(
+        self,
+        version: int,
+        state: Mapping[str, torch.Tensor],
+        ctx: PublishContext,
+        receivers: tuple[Receiver, ...] = (),
+    ) -> Prepared:
+        """Pack `state` (HF names) as `version`. Runs on the learner's model thread."""
 
     @abc.abstractmethod
     def write_descriptor(self, prepared: Prepared, message: types_pb2.WeightVersion) -> None:
@@ -140,8 +190,12 @@ class WeightTransport(abc.ABC):
         """Fetch or attach the bytes of `target` and verify every bucket checksum; change nothing else."""
 
     # ---- engine half
+    def worker_op(self, op: str, spec: dict[str, Any], worker: WorkerContext) -> dict[str, Any]:
+        """A transport operation inside one worker (plain data in and out). Default: none exist."""
+        raise NotImplementedError(f"{self.kind} has no worker operation {op!r}")
+
     def open_tensors(
-        self, spec: dict[str, Any], tensors: list[TensorEntry]
+        self, spec: dict[str, Any], tensors: list[TensorEntry], worker: WorkerContext
     ) -> AbstractContextManager[Iterator[tuple[str, torch.Tensor]]]:
         """(name, tensor) views of a staged version inside the loading process; valid inside the block."""
         raise NotImplementedError(f"{self.kind} hands over a plan of another kind; it is not a load medium")

@@ -31,6 +31,7 @@ from services.common.errors import (
 from services.transports.base import (
     Prepared,
     PublishContext,
+    Receiver,
     StageContext,
     Staged,
     StageTarget,
@@ -120,7 +121,13 @@ class GrpcStreamTransport(WeightTransport):
     kind = TransportKind.grpc_stream
 
     # ---- learner half
-    def prepare(self, version: int, state: Mapping[str, torch.Tensor], ctx: PublishContext) -> Prepared:
+    def prepare(
+        self,
+        version: int,
+        state: Mapping[str, torch.Tensor],
+        ctx: PublishContext,
+        receivers: tuple[Receiver, ...] = (),
+    ) -> Prepared:
         address = ctx.advertise_address()  # fail before the expensive pack if no address is known
         buffer = bytearray(weights.packed_size(weights.plan_layout(state)))
         manifest = weights.build_manifest(state, memoryview(buffer), ctx.bucket_bytes)

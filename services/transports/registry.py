@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 from pydantic import AfterValidator
@@ -17,16 +17,23 @@ from pydantic import AfterValidator
 from grpo.common.v1 import types_pb2
 from services.common import weights
 from services.common.errors import FailedPrecondition, GrpoError, InvalidArgument
-from services.transports.base import LoadPlan, Prepared, StageTarget, TransportKind, WeightTransport
+from services.transports.base import (
+    LoadPlan,
+    Prepared,
+    StageTarget,
+    TransportKind,
+    WeightTransport,
+    WorkerContext,
+)
 from services.transports.grpc_stream import GrpcStreamTransport
+from services.transports.nccl import NcclTransport
 from services.transports.shared_memory import SharedMemoryTransport
 
 TRANSPORTS: dict[TransportKind, WeightTransport] = {
-    t.kind: t for t in (GrpcStreamTransport(), SharedMemoryTransport())
+    t.kind: t for t in (GrpcStreamTransport(), SharedMemoryTransport(), NcclTransport())
 }
 PLANNED: dict[TransportKind, str] = {
     TransportKind.cuda_ipc: "same physical GPU: rollouts attach to the learner's staging buffers",
-    TransportKind.nccl: "other GPUs or hosts: a broadcast from the learner to every rollout worker",
     TransportKind.checkpoint: "a shared file system: rollouts load a safetensors checkpoint",
 }
 
@@ -91,7 +98,12 @@ def target_from_proto(message: types_pb2.WeightVersion) -> StageTarget:
 
 
 def open_tensors(
-    plan: LoadPlan, tensors: list[weights.TensorEntry]
+    plan: LoadPlan, tensors: list[weights.TensorEntry], worker: WorkerContext
 ) -> AbstractContextManager[Iterator[tuple[str, torch.Tensor]]]:
     """(name, tensor) views of a staged version in the loading process (see WeightTransport.open_tensors)."""
-    return get(plan.kind).open_tensors(plan.spec, tensors)
+    return get(plan.kind).open_tensors(plan.spec, tensors, worker)
+
+
+def worker_op(kind: str, op: str, spec: dict[str, Any], worker: WorkerContext) -> dict[str, Any]:
+    """Transport `kind`'s operation `op` inside one worker (see WeightTransport.worker_op)."""
+    return get(kind).worker_op(op, spec, worker)

@@ -29,11 +29,13 @@ from services.transports.base import (
     LoadPlan,
     Prepared,
     PublishContext,
+    Receiver,
     StageContext,
     Staged,
     StageTarget,
     TransportKind,
     WeightTransport,
+    WorkerContext,
 )
 
 log = get_logger(__name__)
@@ -86,7 +88,7 @@ def close_segment(segment: shared_memory.SharedMemory) -> None:
 
 async def verify(segment: shared_memory.SharedMemory, manifest: weights.Manifest) -> None:
     """Bucket checksums of a segment (hashing runs in a thread: it releases the GIL)."""
-    await asyncio.to_thread(weights.verify_buckets, segment.buf, manifest.buckets)
+    await asyncio.to_thread(weights.verify_buckets, segment.buf, manifest)
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,13 @@ class SharedMemoryTransport(WeightTransport):
     kind = TransportKind.shared_memory
 
     # ---- learner half
-    def prepare(self, version: int, state: Mapping[str, torch.Tensor], ctx: PublishContext) -> Prepared:
+    def prepare(
+        self,
+        version: int,
+        state: Mapping[str, torch.Tensor],
+        ctx: PublishContext,
+        receivers: tuple[Receiver, ...] = (),
+    ) -> Prepared:
         entries = weights.plan_layout(state)
         segment = create_segment(f"grpo_{ctx.run_id}_v{version}", weights.packed_size(entries))
         try:
@@ -202,7 +210,7 @@ class SharedMemoryTransport(WeightTransport):
     # ---- engine half
     @contextmanager
     def open_tensors(
-        self, spec: dict[str, Any], tensors: list[weights.TensorEntry]
+        self, spec: dict[str, Any], tensors: list[weights.TensorEntry], worker: WorkerContext
     ) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
         segment = attach_segment(spec["segment_name"])
         try:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
+import xxhash
 
 from grpo.common.v1 import types_pb2
 from services.common.errors import DataLoss, InvalidArgument
@@ -44,7 +43,7 @@ def test_pack_verify_iter_roundtrip_across_dtypes() -> None:
     buffer, manifest = _pack(state, bucket_bytes=128)
     assert len(manifest.buckets) > 1
     assert all(t.offset % 64 == 0 for t in manifest.tensors)
-    verify_buckets(memoryview(buffer), manifest.buckets)
+    verify_buckets(memoryview(buffer), manifest)
     rebuilt = dict(iter_tensors(memoryview(buffer), manifest.tensors))
     assert list(rebuilt) == list(state)  # order preserved
     for name, tensor in state.items():
@@ -57,7 +56,7 @@ def test_checksum_mismatch_names_the_bucket() -> None:
     buffer, manifest = _pack(_state(), bucket_bytes=128)
     buffer[200] ^= 0xFF  # inside bucket 1 = [128, 256)
     with pytest.raises(DataLoss, match="bucket 1 checksum mismatch"):
-        verify_buckets(memoryview(buffer), manifest.buckets)
+        verify_buckets(memoryview(buffer), manifest)
 
 
 def test_buckets_hash_their_exact_ranges() -> None:
@@ -65,7 +64,7 @@ def test_buckets_hash_their_exact_ranges() -> None:
     assert [b.index for b in manifest.buckets] == list(range(len(manifest.buckets)))
     assert sum(b.nbytes for b in manifest.buckets) == manifest.total_bytes == len(buffer)
     for b in manifest.buckets:
-        assert b.sha256 == hashlib.sha256(buffer[b.offset : b.offset + b.nbytes]).hexdigest()
+        assert b.digest == xxhash.xxh3_64_hexdigest(bytes(buffer[b.offset : b.offset + b.nbytes]))
 
 
 def test_chunk_ranges_cover_each_bucket_exactly_in_small_chunks() -> None:
@@ -130,6 +129,14 @@ def _duplicate(message: types_pb2.WeightVersion) -> None:
     message.tensors[1].name = message.tensors[0].name
 
 
+def _short_digest(message: types_pb2.WeightVersion) -> None:
+    message.buckets[0].digest = message.buckets[0].digest[:8]
+
+
+def _no_algorithm(message: types_pb2.WeightVersion) -> None:
+    message.checksum_algorithm = types_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED
+
+
 @pytest.mark.parametrize(
     ("corrupt", "message_part"),
     [
@@ -141,6 +148,8 @@ def _duplicate(message: types_pb2.WeightVersion) -> None:
         (_outside, "outside the weight buffer"),
         (_nbytes_vs_shape, "nbytes"),
         (_duplicate, "appears twice"),
+        (_short_digest, "16 lower-case hex digits"),
+        (_no_algorithm, "unknown checksum_algorithm"),
     ],
 )
 def test_inconsistent_manifest_rejected(corrupt, message_part: str) -> None:

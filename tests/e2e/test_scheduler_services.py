@@ -36,7 +36,12 @@ async def _start_workers(
 ) -> tuple[RunningServer, RunningServer, list[RunningServer]]:
     env = await start_server(EnvApp(EnvSettings(port=0, env_args=dict(DEMO_TASK))), EnvSettings(port=0))
     learner_settings = LearnerSettings(
-        model=str(model), device="cpu", dtype="float32", port=0, optim={"lr": 1e-3}
+        model=str(model),
+        device="cpu",
+        dtype="float32",
+        port=0,
+        optim={"lr": 1e-3},
+        publish={"collective_timeout_s": 10, "bucket_bytes": 256 << 10},
     )
     learner = await start_server(LearnerApp(learner_settings), learner_settings)
     workers = []
@@ -55,7 +60,9 @@ async def _start_workers(
     return env, learner, workers
 
 
-def _scheduler_settings(env, learner, rollouts, run_dir: Path, steps: int) -> SchedulerSettings:
+def _scheduler_settings(
+    env, learner, rollouts, run_dir: Path, steps: int, transport: str = "shared_memory"
+) -> SchedulerSettings:
     return SchedulerSettings(
         port=0,
         env_address=env.address,
@@ -65,7 +72,7 @@ def _scheduler_settings(env, learner, rollouts, run_dir: Path, steps: int) -> Sc
         groups_per_batch=GROUPS,
         max_steps=steps,
         max_staleness=1,
-        weight_transport="shared_memory",
+        weight_transport=transport,
         run_dir=run_dir,
         health_interval_seconds=0.3,
         sampling={"max_tokens": 4},
@@ -146,3 +153,25 @@ async def test_run_survives_a_dead_rollout(tiny_model_dir: Path, tmp_path: Path)
             assert any(r.prompt_id == dropped.prompt_id and r.attempt > dropped.attempt for r in records)
     finally:
         await _close_all(scheduler, rollouts[0], learner, env)
+
+
+async def test_nccl_transport_gloo_run_with_two_transformers_rollouts(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The nccl transport end to end in one process: one weight-sync group of the learner and two
+    rollouts (Gloo on CPU), a broadcast per version, alignment after every sync."""
+    env, learner, rollouts = await _start_workers(tiny_model_dir, rollouts=2)
+    settings = _scheduler_settings(env, learner, rollouts, tmp_path, steps=3, transport="nccl")
+    app = SchedulerApp(settings)
+    scheduler = await start_server(app, settings)
+    try:
+        await asyncio.wait_for(app.run_task, timeout=300)
+        orch = app.orchestrator
+        assert orch.finished and not orch.error, orch.error
+        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["weight_version"] for r in rows] == [1, 2, 3]
+        assert all(r["weight_transport"] == "nccl" and r["rollouts_synced"] == 2 for r in rows)
+        assert all(r["logprob_abs_diff_max"] <= 1e-4 for r in rows)  # fp32 on both sides
+        assert {h.version for h in orch.pool.handles()} == {3}
+    finally:
+        await _close_all(scheduler, *rollouts, learner, env)

@@ -36,7 +36,7 @@ async def learner(model_dir, tmp_path):
         device="cpu",
         port=0,
         optim={"lr": 1e-3},
-        publish={"max_prepared_versions": 2},
+        publish={"max_prepared_versions": 2, "collective_timeout_s": 2},
         checkpoint={"dir": tmp_path / "ckpt"},
         grace_seconds=1.0,
     )
@@ -128,7 +128,7 @@ async def test_grpc_stream_weights_reassemble_and_verify(learner, model_dir):
     assert wv.grpc_stream.chunk_bytes == 1 << 20
     manifest = weights.manifest_from_proto(wv)
     buffer = await fetch_all(stub, wv)
-    weights.verify_buckets(memoryview(buffer), manifest.buckets)
+    weights.verify_buckets(memoryview(buffer), manifest)
     received = dict(weights.iter_tensors(memoryview(buffer), manifest.tensors))
     expected = app.trainer.export()
     assert list(received) == list(expected) and "lm_head.weight" in received
@@ -150,7 +150,7 @@ async def test_shared_memory_segment_readable_and_unlinked_on_release(learner):
     manifest = weights.manifest_from_proto(wv)
     segment = attach_segment(wv.shared_memory.segment_name)
     try:
-        weights.verify_buckets(segment.buf, manifest.buckets)
+        weights.verify_buckets(segment.buf, manifest)
         name, tensor = next(weights.iter_tensors(segment.buf, manifest.tensors))
         assert torch.equal(tensor, app.trainer.export()[name])
         del tensor
@@ -185,7 +185,8 @@ async def test_prepared_versions_are_bounded_and_kinds_checked(learner, model_di
     ("kind", "code"),
     [
         (types_pb2.WEIGHT_TRANSPORT_KIND_CUDA_IPC, grpc.StatusCode.FAILED_PRECONDITION),
-        (types_pb2.WEIGHT_TRANSPORT_KIND_NCCL, grpc.StatusCode.FAILED_PRECONDITION),
+        (types_pb2.WEIGHT_TRANSPORT_KIND_CHECKPOINT, grpc.StatusCode.FAILED_PRECONDITION),
+        (types_pb2.WEIGHT_TRANSPORT_KIND_NCCL, grpc.StatusCode.INVALID_ARGUMENT),  # no receivers named
         (types_pb2.WEIGHT_TRANSPORT_KIND_UNSPECIFIED, grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
@@ -194,8 +195,24 @@ async def test_unsupported_transports(learner, kind, code):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.PrepareWeights(learner_pb2.PrepareWeightsRequest(transport=kind), timeout=TIMEOUT)
     assert err.value.code() == code
-    if kind == types_pb2.WEIGHT_TRANSPORT_KIND_CUDA_IPC:
+    if kind == types_pb2.WEIGHT_TRANSPORT_KIND_CHECKPOINT:
         assert "not implemented yet" in err.value.details()
+
+
+async def test_nccl_describes_a_group_of_the_named_receivers(learner):
+    stub, _ = learner
+    receivers = [
+        learner_pb2.WeightReceiver(rollout_id="b", instance_id="b1", workers=2),
+        learner_pb2.WeightReceiver(rollout_id="a", instance_id="a1", workers=1),
+    ]
+    request = learner_pb2.PrepareWeightsRequest(
+        transport=types_pb2.WEIGHT_TRANSPORT_KIND_NCCL, receivers=receivers
+    )
+    wv = (await stub.PrepareWeights(request, timeout=TIMEOUT)).weight_version
+    assert wv.WhichOneof("transport") == "nccl" and wv.nccl.backend == "gloo"
+    assert (wv.nccl.world_size, dict(wv.nccl.ranks)) == (4, {"a": 1, "b": 2})
+    assert wv.checksum_algorithm == types_pb2.CHECKSUM_ALGORITHM_XXH3_64 and wv.nccl.master_port > 0
+    await stub.ReleaseWeights(learner_pb2.ReleaseWeightsRequest(version=wv.version), timeout=TIMEOUT)
 
 
 async def test_fetch_unknown_version_is_not_found(learner):

@@ -278,8 +278,15 @@ async def _check_sync_errors(server: Running, learner: WeightsServer, state) -> 
         (ipc, grpc.StatusCode.FAILED_PRECONDITION, "cuda_ipc weight transport is not implemented yet")
     )
     nccl = Packed(state).weight_version(4)
-    nccl.nccl.master_address = "127.0.0.1"
-    cases.append((nccl, grpc.StatusCode.FAILED_PRECONDITION, "nccl weight transport is not implemented yet"))
+    nccl.nccl.master_address = "127.0.0.1"  # no port, group or backend
+    cases.append(
+        (nccl, grpc.StatusCode.INVALID_ARGUMENT, "weight_version.nccl needs master_address and master_port")
+    )
+    nccl = Packed(state).weight_version(4)
+    nccl.nccl.master_address, nccl.nccl.master_port, nccl.nccl.world_size = "127.0.0.1", 1, 2
+    nccl.nccl.group_id, nccl.nccl.backend, nccl.nccl.deadline_seconds = "g", "gloo", 1.0
+    nccl.nccl.ranks["someone-else"] = 1
+    cases.append((nccl, grpc.StatusCode.FAILED_PRECONDITION, "is not a member of weight-sync group g"))
     for wv, code, needle in cases:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stage(wv)

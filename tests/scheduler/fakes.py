@@ -28,7 +28,7 @@ from services.scheduler.clients import (
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.orchestrator import Orchestrator
 from services.scheduler.rollouts import RolloutPool
-from services.transports import TransportKind
+from services.transports import Receiver, TransportKind
 
 
 class FakeEnv:
@@ -77,6 +77,7 @@ class FakeLearner:
         self.batches: list[Batch] = []
         self.prepared: set[int] = set()
         self.released: list[int] = []
+        self.receivers: list[tuple[Receiver, ...]] = []  # named to each prepare
         self._stepped = asyncio.Condition()
 
     async def wait_for_version(self, version: int) -> None:
@@ -95,7 +96,8 @@ class FakeLearner:
             self._stepped.notify_all()
         return StepResult(self.version, self.version, {"loss": 0.5})
 
-    async def prepare(self, kind: TransportKind) -> PreparedWeights:
+    async def prepare(self, kind: TransportKind, receivers: Sequence[Receiver] = ()) -> PreparedWeights:
+        self.receivers.append(tuple(receivers))
         self.prepared.add(self.version)
         message = types_pb2.WeightVersion(version=self.version, parent_version=self.version - 1)
         message.shared_memory.segment_name = f"fake_v{self.version}"
@@ -142,7 +144,7 @@ class FakeRollout:
 
     async def state(self) -> RolloutInfo:
         self._check_alive()
-        return RolloutInfo(self.rollout_id, self.version, True, self.max_in_flight)
+        return RolloutInfo(self.rollout_id, self.version, True, self.max_in_flight, 1, f"{self.rollout_id}-1")
 
     async def generate(
         self, request_id: str, prompt: types_pb2.Prompt, sampling: Sampling
@@ -172,7 +174,7 @@ class FakeRollout:
             for i in range(sampling.n)
         ]
 
-    async def stage(self, weights: types_pb2.WeightVersion) -> None:
+    async def stage(self, weights: types_pb2.WeightVersion, deadline_s: float | None = None) -> None:
         self._check_alive()
         if self.fail_stage:
             raise self.fail_stage.pop(0)

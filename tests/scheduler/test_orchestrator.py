@@ -129,9 +129,8 @@ async def test_a_stage_failure_drops_only_that_rollout_from_the_sync(tmp_path: P
     assert rows[0]["rollouts_synced"] == 1  # r1 dropped out of the first sync ...
     assert flaky.aborts == [1]  # ... after being told to drop what it had staged
     assert c.orchestrator.finished and not c.orchestrator.error
-    assert c.rollouts["r0"].version == 4 and flaky.version < 4
-    await c.orchestrator.catch_up()  # one health-monitor round brings it back to the run's version
-    assert flaky.version == 4 and flaky.commits[-1] == 4
+    # still reachable, so still healthy: it got no work until the next step's sync brought it back
+    assert flaky.commits == [2, 3, 4] and c.rollouts["r0"].commits == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("action", ["fail", "warn"])

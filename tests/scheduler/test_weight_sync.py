@@ -31,6 +31,8 @@ async def test_every_target_stages_then_commits_and_the_version_is_released() ->
     learner.version = 3
     result = await syncer.sync(pool.handles())
     assert (result.version, sorted(result.synced)) == (3, ["a", "b"])
+    assert [r.rollout_id for r in learner.receivers[-1]] == ["a", "b"]  # named for collective transports
+    assert learner.receivers[-1][0].instance_id == "a-1" and learner.receivers[-1][0].workers == 1
     assert a.commits == b.commits == [3] and {h.version for h in pool.handles()} == {3}
     assert learner.released == [3] and not learner.prepared
     assert result.total_ms >= result.prepare_ms + result.stage_ms
@@ -38,7 +40,7 @@ async def test_every_target_stages_then_commits_and_the_version_is_released() ->
 
 
 @pytest.mark.parametrize(
-    ("error", "aborted"),
+    ("error", "reachable"),
     [
         (InvalidArgument("bad manifest"), True),
         (Unavailable("gone"), False),
@@ -46,16 +48,18 @@ async def test_every_target_stages_then_commits_and_the_version_is_released() ->
     ],
 )
 async def test_a_failing_rollout_is_dropped_from_the_sync_and_the_others_move_on(
-    error, aborted: bool
+    error, reachable: bool
 ) -> None:
     good, bad = FakeRollout("good"), FakeRollout("bad", fail_stage=[error])
     syncer, learner, pool = await _setup(good, bad)
     learner.version = 1
     result = await syncer.sync(pool.handles())
     assert result.synced == ["good"] and good.commits == [1] and not bad.commits
-    assert bad.aborts == ([1] if aborted else [])  # an unreachable rollout is not asked to abort
+    assert bad.aborts == ([1] if reachable else [])  # an unreachable rollout is not asked to abort
     handles = {h.address: h for h in pool.handles()}
-    assert handles["good"].healthy and not handles["bad"].healthy
+    assert handles["good"].healthy and not handles["good"].needs_sync
+    # unreachable: unhealthy until it answers again; reachable: healthy, but no work until re-synced
+    assert handles["bad"].healthy == reachable and not handles["bad"].slot().healthy
     assert learner.released == [1]  # released even though one rollout failed
 
 

@@ -20,7 +20,7 @@ from services.common.weights import (
     packed_size,
     plan_layout,
 )
-from services.transports import LoadPlan, PublishContext, StageContext, TransportKind
+from services.transports import LoadPlan, PublishContext, StageContext, TransportKind, WorkerContext
 from services.transports import registry as transports
 from services.transports.shared_memory import attach_segment, create_segment
 
@@ -44,7 +44,8 @@ async def test_learner_rollout_and_engine_halves_round_trip() -> None:
         target = transports.target_from_proto(message)
         staged = await transport.stage(target, CTX)
         assert staged.plan == LoadPlan(TransportKind.shared_memory, {"segment_name": prepared.segment_name})
-        with transports.open_tensors(staged.plan, list(staged.manifest.tensors)) as tensors:
+        worker = WorkerContext(state={}, local_rank=0, device=torch.device("cpu"))
+        with transports.open_tensors(staged.plan, list(staged.manifest.tensors), worker) as tensors:
             loaded = {name: t.clone() for name, t in tensors}
         assert all(torch.equal(loaded[n], t) for n, t in state.items())
         staged.release()
@@ -110,7 +111,7 @@ from services.transports.shared_memory import attach_segment
 manifest = manifest_from_proto(types_pb2.WeightVersion.FromString(Path(sys.argv[2]).read_bytes()))
 segment = attach_segment(sys.argv[1])
 view = segment.buf[: manifest.total_bytes]
-verify_buckets(view, manifest.buckets)
+verify_buckets(view, manifest)
 save_file({n: t.clone() for n, t in iter_tensors(view, manifest.tensors)}, sys.argv[3])
 del view
 segment.close()

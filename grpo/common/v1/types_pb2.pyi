@@ -14,6 +14,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
 
+class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_ALGORITHM_XXH3_64: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_ALGORITHM_WSUM64: _ClassVar[ChecksumAlgorithm]
+
 class WeightTransportKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WEIGHT_TRANSPORT_KIND_UNSPECIFIED: _ClassVar[WeightTransportKind]
@@ -26,6 +32,9 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
+CHECKSUM_ALGORITHM_XXH3_64: ChecksumAlgorithm
+CHECKSUM_ALGORITHM_WSUM64: ChecksumAlgorithm
 WEIGHT_TRANSPORT_KIND_UNSPECIFIED: WeightTransportKind
 WEIGHT_TRANSPORT_KIND_GRPC_STREAM: WeightTransportKind
 WEIGHT_TRANSPORT_KIND_SHARED_MEMORY: WeightTransportKind
@@ -203,16 +212,16 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("index", "offset", "nbytes", "sha256")
+    __slots__ = ("index", "offset", "nbytes", "digest")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     index: int
     offset: int
     nbytes: int
-    sha256: str
-    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    digest: str
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class GrpcStreamTransport(_message.Message):
     __slots__ = ("address", "chunk_bytes")
@@ -255,7 +264,7 @@ class CudaIpcTransport(_message.Message):
     def __init__(self, buckets: _Optional[_Iterable[_Union[CudaIpcBucket, _Mapping]]] = ...) -> None: ...
 
 class NcclTransport(_message.Message):
-    __slots__ = ("master_address", "master_port", "world_size", "ranks", "group_id", "deadline_seconds")
+    __slots__ = ("master_address", "master_port", "world_size", "ranks", "group_id", "deadline_seconds", "backend")
     class RanksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -269,13 +278,15 @@ class NcclTransport(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     master_address: str
     master_port: int
     world_size: int
     ranks: _containers.ScalarMap[str, int]
     group_id: str
     deadline_seconds: float
-    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Mapping[str, int]] = ..., group_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
+    backend: str
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Mapping[str, int]] = ..., group_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class CheckpointTransport(_message.Message):
     __slots__ = ("path",)
@@ -284,12 +295,13 @@ class CheckpointTransport(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
-    __slots__ = ("version", "parent_version", "tensors", "buckets", "total_bytes", "grpc_stream", "shared_memory", "cuda_ipc", "nccl", "checkpoint")
+    __slots__ = ("version", "parent_version", "tensors", "buckets", "total_bytes", "checksum_algorithm", "grpc_stream", "shared_memory", "cuda_ipc", "nccl", "checkpoint")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     GRPC_STREAM_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
@@ -300,12 +312,13 @@ class WeightVersion(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     buckets: _containers.RepeatedCompositeFieldContainer[WeightBucket]
     total_bytes: int
+    checksum_algorithm: ChecksumAlgorithm
     grpc_stream: GrpcStreamTransport
     shared_memory: SharedMemoryTransport
     cuda_ipc: CudaIpcTransport
     nccl: NcclTransport
     checkpoint: CheckpointTransport
-    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., grpc_stream: _Optional[_Union[GrpcStreamTransport, _Mapping]] = ..., shared_memory: _Optional[_Union[SharedMemoryTransport, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcTransport, _Mapping]] = ..., nccl: _Optional[_Union[NcclTransport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointTransport, _Mapping]] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., grpc_stream: _Optional[_Union[GrpcStreamTransport, _Mapping]] = ..., shared_memory: _Optional[_Union[SharedMemoryTransport, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcTransport, _Mapping]] = ..., nccl: _Optional[_Union[NcclTransport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointTransport, _Mapping]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("version", "bucket", "offset", "data")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from grpo.common.v1 import types_pb2 as grpo_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgrpo/learner/v1/learner.proto\x12\x0fgrpo.learner.v1\x1a\x1agrpo/common/v1/types.proto\"=\n\x10TrainStepRequest\x12)\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.grpo.common.v1.TrainBatch\"?\n\x11TrainStepResponse\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x1a.grpo.common.v1.StepResult\"O\n\x15PrepareWeightsRequest\x12\x36\n\ttransport\x18\x01 \x01(\x0e\x32#.grpo.common.v1.WeightTransportKind\"c\n\x16PrepareWeightsResponse\x12\x35\n\x0eweight_version\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.WeightVersion\x12\x12\n\nprepare_ms\x18\x02 \x01(\x01\"7\n\x13\x46\x65tchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x02 \x03(\r\"B\n\x14\x46\x65tchWeightsResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1b.grpo.common.v1.WeightChunk\"(\n\x15ReleaseWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x18\n\x16ReleaseWeightsResponse\"E\n\x12ScoreTokensRequest\x12/\n\x08sequence\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.TokenSequence\"?\n\x13ScoreTokensResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x18\n\x16GetLearnerStateRequest\"\x96\x01\n\x17GetLearnerStateResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04loss\x18\x04 \x01(\t\x12\x19\n\x11prepared_versions\x18\x05 \x03(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t2\xc9\x04\n\x0eLearnerService\x12R\n\tTrainStep\x12!.grpo.learner.v1.TrainStepRequest\x1a\".grpo.learner.v1.TrainStepResponse\x12\x61\n\x0ePrepareWeights\x12&.grpo.learner.v1.PrepareWeightsRequest\x1a\'.grpo.learner.v1.PrepareWeightsResponse\x12]\n\x0c\x46\x65tchWeights\x12$.grpo.learner.v1.FetchWeightsRequest\x1a%.grpo.learner.v1.FetchWeightsResponse0\x01\x12\x61\n\x0eReleaseWeights\x12&.grpo.learner.v1.ReleaseWeightsRequest\x1a\'.grpo.learner.v1.ReleaseWeightsResponse\x12X\n\x0bScoreTokens\x12#.grpo.learner.v1.ScoreTokensRequest\x1a$.grpo.learner.v1.ScoreTokensResponse\x12\x64\n\x0fGetLearnerState\x12\'.grpo.learner.v1.GetLearnerStateRequest\x1a(.grpo.learner.v1.GetLearnerStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgrpo/learner/v1/learner.proto\x12\x0fgrpo.learner.v1\x1a\x1agrpo/common/v1/types.proto\"=\n\x10TrainStepRequest\x12)\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.grpo.common.v1.TrainBatch\"?\n\x11TrainStepResponse\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x1a.grpo.common.v1.StepResult\"\x83\x01\n\x15PrepareWeightsRequest\x12\x36\n\ttransport\x18\x01 \x01(\x0e\x32#.grpo.common.v1.WeightTransportKind\x12\x32\n\treceivers\x18\x02 \x03(\x0b\x32\x1f.grpo.learner.v1.WeightReceiver\"J\n\x0eWeightReceiver\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"c\n\x16PrepareWeightsResponse\x12\x35\n\x0eweight_version\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.WeightVersion\x12\x12\n\nprepare_ms\x18\x02 \x01(\x01\"7\n\x13\x46\x65tchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x02 \x03(\r\"B\n\x14\x46\x65tchWeightsResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1b.grpo.common.v1.WeightChunk\"(\n\x15ReleaseWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x18\n\x16ReleaseWeightsResponse\"E\n\x12ScoreTokensRequest\x12/\n\x08sequence\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.TokenSequence\"?\n\x13ScoreTokensResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x18\n\x16GetLearnerStateRequest\"\x96\x01\n\x17GetLearnerStateResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04loss\x18\x04 \x01(\t\x12\x19\n\x11prepared_versions\x18\x05 \x03(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t2\xc9\x04\n\x0eLearnerService\x12R\n\tTrainStep\x12!.grpo.learner.v1.TrainStepRequest\x1a\".grpo.learner.v1.TrainStepResponse\x12\x61\n\x0ePrepareWeights\x12&.grpo.learner.v1.PrepareWeightsRequest\x1a\'.grpo.learner.v1.PrepareWeightsResponse\x12]\n\x0c\x46\x65tchWeights\x12$.grpo.learner.v1.FetchWeightsRequest\x1a%.grpo.learner.v1.FetchWeightsResponse0\x01\x12\x61\n\x0eReleaseWeights\x12&.grpo.learner.v1.ReleaseWeightsRequest\x1a\'.grpo.learner.v1.ReleaseWeightsResponse\x12X\n\x0bScoreTokens\x12#.grpo.learner.v1.ScoreTokensRequest\x1a$.grpo.learner.v1.ScoreTokensResponse\x12\x64\n\x0fGetLearnerState\x12\'.grpo.learner.v1.GetLearnerStateRequest\x1a(.grpo.learner.v1.GetLearnerStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,26 +36,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINSTEPREQUEST']._serialized_end=139
   _globals['_TRAINSTEPRESPONSE']._serialized_start=141
   _globals['_TRAINSTEPRESPONSE']._serialized_end=204
-  _globals['_PREPAREWEIGHTSREQUEST']._serialized_start=206
-  _globals['_PREPAREWEIGHTSREQUEST']._serialized_end=285
-  _globals['_PREPAREWEIGHTSRESPONSE']._serialized_start=287
-  _globals['_PREPAREWEIGHTSRESPONSE']._serialized_end=386
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=388
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=443
-  _globals['_FETCHWEIGHTSRESPONSE']._serialized_start=445
-  _globals['_FETCHWEIGHTSRESPONSE']._serialized_end=511
-  _globals['_RELEASEWEIGHTSREQUEST']._serialized_start=513
-  _globals['_RELEASEWEIGHTSREQUEST']._serialized_end=553
-  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_start=555
-  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_end=579
-  _globals['_SCORETOKENSREQUEST']._serialized_start=581
-  _globals['_SCORETOKENSREQUEST']._serialized_end=650
-  _globals['_SCORETOKENSRESPONSE']._serialized_start=652
-  _globals['_SCORETOKENSRESPONSE']._serialized_end=715
-  _globals['_GETLEARNERSTATEREQUEST']._serialized_start=717
-  _globals['_GETLEARNERSTATEREQUEST']._serialized_end=741
-  _globals['_GETLEARNERSTATERESPONSE']._serialized_start=744
-  _globals['_GETLEARNERSTATERESPONSE']._serialized_end=894
-  _globals['_LEARNERSERVICE']._serialized_start=897
-  _globals['_LEARNERSERVICE']._serialized_end=1482
+  _globals['_PREPAREWEIGHTSREQUEST']._serialized_start=207
+  _globals['_PREPAREWEIGHTSREQUEST']._serialized_end=338
+  _globals['_WEIGHTRECEIVER']._serialized_start=340
+  _globals['_WEIGHTRECEIVER']._serialized_end=414
+  _globals['_PREPAREWEIGHTSRESPONSE']._serialized_start=416
+  _globals['_PREPAREWEIGHTSRESPONSE']._serialized_end=515
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=517
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=572
+  _globals['_FETCHWEIGHTSRESPONSE']._serialized_start=574
+  _globals['_FETCHWEIGHTSRESPONSE']._serialized_end=640
+  _globals['_RELEASEWEIGHTSREQUEST']._serialized_start=642
+  _globals['_RELEASEWEIGHTSREQUEST']._serialized_end=682
+  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_start=684
+  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_end=708
+  _globals['_SCORETOKENSREQUEST']._serialized_start=710
+  _globals['_SCORETOKENSREQUEST']._serialized_end=779
+  _globals['_SCORETOKENSRESPONSE']._serialized_start=781
+  _globals['_SCORETOKENSRESPONSE']._serialized_end=844
+  _globals['_GETLEARNERSTATEREQUEST']._serialized_start=846
+  _globals['_GETLEARNERSTATEREQUEST']._serialized_end=870
+  _globals['_GETLEARNERSTATERESPONSE']._serialized_start=873
+  _globals['_GETLEARNERSTATERESPONSE']._serialized_end=1023
+  _globals['_LEARNERSERVICE']._serialized_start=1026
+  _globals['_LEARNERSERVICE']._serialized_end=1611
 # @@protoc_insertion_point(module_scope)

@@ -20,10 +20,22 @@ class TrainStepResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[_types_pb2.StepResult, _Mapping]] = ...) -> None: ...
 
 class PrepareWeightsRequest(_message.Message):
-    __slots__ = ("transport",)
+    __slots__ = ("transport", "receivers")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     transport: _types_pb2.WeightTransportKind
-    def __init__(self, transport: _Optional[_Union[_types_pb2.WeightTransportKind, str]] = ...) -> None: ...
+    receivers: _containers.RepeatedCompositeFieldContainer[WeightReceiver]
+    def __init__(self, transport: _Optional[_Union[_types_pb2.WeightTransportKind, str]] = ..., receivers: _Optional[_Iterable[_Union[WeightReceiver, _Mapping]]] = ...) -> None: ...
+
+class WeightReceiver(_message.Message):
+    __slots__ = ("rollout_id", "workers", "instance_id")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    workers: int
+    instance_id: str
+    def __init__(self, rollout_id: _Optional[str] = ..., workers: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class PrepareWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "prepare_ms")

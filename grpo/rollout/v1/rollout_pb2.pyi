@@ -98,7 +98,7 @@ class GetRolloutStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetRolloutStateResponse(_message.Message):
-    __slots__ = ("rollout_id", "weight_version", "staged_version", "status", "engine", "model", "in_flight", "max_in_flight", "tokens_generated")
+    __slots__ = ("rollout_id", "weight_version", "staged_version", "status", "engine", "model", "in_flight", "max_in_flight", "tokens_generated", "weight_workers", "instance_id")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,8 @@ class GetRolloutStateResponse(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     weight_version: int
     staged_version: int
@@ -117,4 +119,6 @@ class GetRolloutStateResponse(_message.Message):
     in_flight: int
     max_in_flight: int
     tokens_generated: int
-    def __init__(self, rollout_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ...) -> None: ...
+    weight_workers: int
+    instance_id: str
+    def __init__(self, rollout_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., weight_workers: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...

@@ -93,7 +93,9 @@ async def measure(address: str, batch: types_pb2.TrainBatch, idle_s: float) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="model directory the learner loads")
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=8)
@@ -122,7 +124,7 @@ def main() -> None:
             learner.terminate()
             learner.wait(timeout=60)
     tokens = args.groups * args.group_size * args.tokens
-    print(f"batch: {args.groups} groups x {args.group_size} completions x {args.tokens} tokens = {tokens} tokens")
+    print(f"batch: {args.groups} groups x {args.group_size} completions x {args.tokens} tokens = {tokens}")
     idle, busy = results["idle"], results["during_train_step"]
     print(f"{'health Check':<22}{'n':>6}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}")
     for name, row in results.items():

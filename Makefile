@@ -19,7 +19,7 @@ PY_DIRS := services tests scripts bench
 # Passed to the launcher only when set, so its own defaults apply otherwise.
 DEMO_FLAGS := $(if $(STEPS),--steps $(STEPS)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)
 
-.PHONY: help install demo test proto lint format up clean
+.PHONY: help install demo test proto lint format up clean gpu-check gpu-wheels
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 10
@@ -47,6 +47,12 @@ lint: ## ruff check, ruff format --check, buf lint.
 format: ## Apply ruff fixes and formatting.
 	$(RUFF) check --fix $(PY_DIRS)
 	$(RUFF) format $(PY_DIRS)
+
+gpu-check: ## On a machine with an NVIDIA GPU: GPU tests + cuda_ipc two-process check, one report.
+	bash scripts/gpu_check.sh
+
+gpu-wheels: ## Download into .whl/ the wheels gpu-check needs on the GPU image (Python 3.12).
+	bash scripts/gpu_wheels.sh
 
 up: ## docker compose up (PROFILE=cpu, or PROFILE=gpu).
 	docker compose --profile $(PROFILE) up --build

@@ -1,11 +1,15 @@
-"""Weight-transport benchmark: every implemented transport against grpc_stream, measured in the same run.
+"""Weight-transport benchmark: every implemented transport, measured in one run against two baselines
+measured in the same run: grpc_stream, and a plain copy of the same bytes in the transport's medium
+(host memcpy for grpc_stream/shared_memory/nccl-over-Gloo; device-to-device copy for cuda_ipc and
+nccl on CUDA).
 
 A real Learner service (in-process gRPC server on 127.0.0.1:0) publishes the weights of a random
 Qwen2 model of the chosen size; the rollout's real staging code (`services.rollout.weight_sync`,
-which calls each transport's rollout half in `services/transports/`) fetches and checksum-verifies
-them. Reports prepare (learner snapshot + SHA-256) and stage (fetch + verify) times and bandwidth,
-and the ratio of each transport to the grpc_stream baseline.
-Loading into an engine is not included (it does not depend on the transport).
+which calls each transport's rollout half in `services/transports/`, with the engine's worker half
+in this process) fetches, receives or attaches them and verifies their checksums. Reports prepare
+(learner: pack + checksum) and stage (fetch/receive/attach + verify) times and bandwidth. Loading
+into an engine is not included (it does not depend on the transport). cuda_ipc needs a GPU
+(`--device cuda`); nccl runs over Gloo on CPU, NCCL on a GPU.
 
     .venv/bin/python bench/weight_transport.py --hidden 512 --layers 8 --repeats 3
 """
@@ -28,7 +32,8 @@ from services.common.serve import start_server
 from services.learner.config import LearnerSettings
 from services.learner.server import LearnerApp
 from services.rollout.weight_sync import WeightStager
-from services.transports.registry import TRANSPORTS, kind_to_proto, target_from_proto
+from services.transports import WorkerContext
+from services.transports.registry import TRANSPORTS, kind_to_proto, target_from_proto, worker_op
 
 # Every implemented transport (grpc_stream first: the baseline the others are compared with).
 KINDS = {kind.value: kind_to_proto(kind) for kind in TRANSPORTS}
@@ -49,24 +54,55 @@ def build_model(directory: Path, hidden: int, layers: int, vocab: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-async def measure(model_dir: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
-    settings = LearnerSettings(model=str(model_dir), device="cpu", dtype="float32", port=0)
+class InProcessWorkers:
+    """The rollout engine's one worker, in this process (as the transformers engine has it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.worker = WorkerContext({}, 0, device)
+
+    async def call_workers(self, kind: str, op: str, spec: dict) -> list[dict]:
+        return [await asyncio.to_thread(worker_op, kind, op, spec, self.worker)]
+
+
+def copy_ms(nbytes: int, device: torch.device, repeats: int) -> float:
+    """The medium's physical baseline: one plain copy of `nbytes` (host memcpy, or device to device)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times[1:])
+
+
+async def measure(model_dir: Path, repeats: int, device: str) -> dict[str, dict]:
+    settings = LearnerSettings(
+        model=str(model_dir), device=device, dtype="float32", port=0, publish={"collective_timeout_s": 60}
+    )
     app = LearnerApp(settings)
     running = await start_server(app, settings)
     channel = open_channel(running.address)
     learner = learner_pb2_grpc.LearnerServiceStub(channel)
-    results: dict[str, dict[str, list[float]]] = {
-        k: {"prepare_ms": [], "stage_ms": [], "bytes": []} for k in KINDS
-    }
+    workers = InProcessWorkers(torch.device(device))
+    receivers = [learner_pb2.WeightReceiver(rollout_id="bench", instance_id="bench", workers=1)]
+    results: dict[str, dict] = {}
     try:
-        for _ in range(repeats):
-            for name, kind in KINDS.items():
+        for name, kind in KINDS.items():
+            if name == "cuda_ipc" and device != "cuda":
+                results[name] = {"skipped": "needs the learner and the rollout on one CUDA GPU"}
+                continue
+            rows = results[name] = {"prepare_ms": [], "stage_ms": [], "bytes": []}
+            for _ in range(repeats):
                 t0 = time.perf_counter()
-                prepared = await learner.PrepareWeights(
-                    learner_pb2.PrepareWeightsRequest(transport=kind), timeout=600
-                )
+                request = learner_pb2.PrepareWeightsRequest(transport=kind, receivers=receivers)
+                prepared = await learner.PrepareWeights(request, timeout=600)
                 t1 = time.perf_counter()
-                stager = WeightStager("bench", fetch_timeout_s=600)
+                stager = WeightStager("bench", fetch_timeout_s=600, workers=workers)
                 staged = await stager.stage(target_from_proto(prepared.weight_version), current_version=-1)
                 t2 = time.perf_counter()
                 stager.close()
@@ -74,9 +110,12 @@ async def measure(model_dir: Path, repeats: int) -> dict[str, dict[str, list[flo
                 await learner.ReleaseWeights(
                     learner_pb2.ReleaseWeightsRequest(version=prepared.weight_version.version), timeout=60
                 )
-                results[name]["prepare_ms"].append((t1 - t0) * 1e3)
-                results[name]["stage_ms"].append((t2 - t1) * 1e3)
-                results[name]["bytes"].append(prepared.weight_version.total_bytes)
+                rows["prepare_ms"].append((t1 - t0) * 1e3)
+                rows["stage_ms"].append((t2 - t1) * 1e3)
+                rows["bytes"].append(prepared.weight_version.total_bytes)
+                rows["medium"] = (
+                    "device" if name == "cuda_ipc" or (name == "nccl" and device == "cuda") else "host"
+                )
     finally:
         await channel.close()
         await running.close()
@@ -91,22 +130,41 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         params = build_model(Path(tmp), args.hidden, args.layers, args.vocab)
-        results = asyncio.run(measure(Path(tmp), args.repeats))
+        results = asyncio.run(measure(Path(tmp), args.repeats, args.device))
+    nbytes = results["grpc_stream"]["bytes"][0]
+    baselines = {"host": copy_ms(nbytes, torch.device("cpu"), args.repeats)}
+    if args.device == "cuda":
+        baselines["device"] = copy_ms(nbytes, torch.device("cuda"), args.repeats)
     base = statistics.median(results["grpc_stream"]["stage_ms"])
     print(
-        f"model: {params / 1e6:.1f}M params, {results['grpc_stream']['bytes'][0] / 2**20:.0f} MiB fp32; "
+        f"model: {params / 1e6:.1f}M params, {nbytes / 2**20:.0f} MiB fp32, learner on {args.device}; "
         f"median of {args.repeats}"
     )
-    print(f"{'transport':<15}{'prepare ms':>12}{'stage ms':>12}{'stage GiB/s':>13}{'stage vs grpc':>15}")
+    for medium, ms in baselines.items():
+        print(
+            f"baseline {medium} copy of the same bytes: {ms:.1f} ms ({nbytes / 2**30 / (ms / 1e3):.2f} GiB/s)"
+        )
+    print(
+        f"{'transport':<15}{'prepare ms':>12}{'stage ms':>12}{'stage GiB/s':>13}{'vs grpc':>10}"
+        f"{'vs its medium copy':>20}"
+    )
     for name, r in results.items():
+        if "skipped" in r:
+            print(f"{name:<15}  skipped: {r['skipped']}")
+            continue
         stage = statistics.median(r["stage_ms"])
         gibps = r["bytes"][0] / 2**30 / (stage / 1e3)
         prepare = statistics.median(r["prepare_ms"])
-        print(f"{name:<15}{prepare:>12.1f}{stage:>12.1f}{gibps:>13.2f}{base / stage:>14.2f}x")
+        medium = baselines[r["medium"]]
+        print(
+            f"{name:<15}{prepare:>12.1f}{stage:>12.1f}{gibps:>13.2f}{base / stage:>9.2f}x"
+            f"{medium / stage:>13.2f}x ({r['medium']})"
+        )
 
 
 if __name__ == "__main__":

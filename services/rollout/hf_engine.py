@@ -274,17 +274,31 @@ class HfEngine(RolloutEngine):
         )
 
     def _swap_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> float:
+        """Load a staged version: copied into the parameters, or, when the plan offers stable views in
+        this engine's dtype and device (`zero_copy`: cuda_ipc), adopted as the parameters themselves."""
         started = time.perf_counter()
-        expected = set(self._model.state_dict())
+        current = self._model.state_dict()
         names = {t.name for t in manifest.tensors}
-        if names != expected:  # check before touching any weight
+        if names != set(current):  # check before touching any weight
             raise FailedPrecondition(
-                f"weights v{version} do not match the model: missing {sorted(expected - names)[:5]}, "
-                f"unexpected {sorted(names - expected)[:5]}"
+                f"weights v{version} do not match the model: missing {sorted(set(current) - names)[:5]}, "
+                f"unexpected {sorted(names - set(current))[:5]}"
             )
+        for entry in manifest.tensors:
+            if tuple(entry.shape) != tuple(current[entry.name].shape):
+                raise FailedPrecondition(
+                    f"weights v{version}: {entry.name} has shape {list(entry.shape)}, "
+                    f"the model {list(current[entry.name].shape)}"
+                )
         assert self._worker is not None
         with open_tensors(plan, list(manifest.tensors), self._worker) as tensors:
-            self._model.load_state_dict(dict(tensors), strict=True)
+            state = dict(tensors)
+            adopt = plan.spec.get("zero_copy", False) and all(
+                t.dtype == current[n].dtype and t.device == current[n].device for n, t in state.items()
+            )
+            self._model.load_state_dict(state, strict=True, assign=adopt)
+        if adopt and self._worker.device.type == "cuda":
+            torch.cuda.empty_cache()  # the replaced parameters' memory goes back: no second copy held
         self._version = version
         return (time.perf_counter() - started) * 1e3
 

@@ -7,7 +7,7 @@ contract, `registry.py` says which kinds exist):
 |-----------------|--------------------|--------------------------------------------|
 | `grpc_stream`   | `grpc_stream.py`   | anywhere: FetchWeights chunk stream        |
 | `shared_memory` | `shared_memory.py` | same host: a POSIX segment, zero copy      |
-| `cuda_ipc`      | planned            | same GPU                                   |
+| `cuda_ipc`      | `cuda_ipc.py`      | same GPU: rollouts attach to learner memory |
 | `nccl`          | `nccl.py`          | other GPUs / hosts: NCCL; CPU: Gloo        |
 | `checkpoint`    | planned            | shared file system                         |
 

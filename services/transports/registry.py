@@ -25,15 +25,15 @@ from services.transports.base import (
     WeightTransport,
     WorkerContext,
 )
+from services.transports.cuda_ipc import CudaIpcTransport
 from services.transports.grpc_stream import GrpcStreamTransport
 from services.transports.nccl import NcclTransport
 from services.transports.shared_memory import SharedMemoryTransport
 
 TRANSPORTS: dict[TransportKind, WeightTransport] = {
-    t.kind: t for t in (GrpcStreamTransport(), SharedMemoryTransport(), NcclTransport())
+    t.kind: t for t in (GrpcStreamTransport(), SharedMemoryTransport(), NcclTransport(), CudaIpcTransport())
 }
 PLANNED: dict[TransportKind, str] = {
-    TransportKind.cuda_ipc: "same physical GPU: rollouts attach to the learner's staging buffers",
     TransportKind.checkpoint: "a shared file system: rollouts load a safetensors checkpoint",
 }
 

@@ -273,10 +273,8 @@ async def _check_sync_errors(server: Running, learner: WeightsServer, state) -> 
         (learner.publish(3, Packed(state), corrupt=True), grpc.StatusCode.DATA_LOSS, "checksum mismatch"),
     ]
     ipc = Packed(state).weight_version(4)
-    ipc.cuda_ipc.SetInParent()
-    cases.append(
-        (ipc, grpc.StatusCode.FAILED_PRECONDITION, "cuda_ipc weight transport is not implemented yet")
-    )
+    ipc.cuda_ipc.SetInParent()  # no exported buffer described
+    cases.append((ipc, grpc.StatusCode.INVALID_ARGUMENT, "must describe exactly one exported buffer"))
     nccl = Packed(state).weight_version(4)
     nccl.nccl.master_address = "127.0.0.1"  # no port, group or backend
     cases.append(

@@ -121,8 +121,9 @@ async def check_policy(stub, model, version: int, text: str = "12+34=") -> None:
         assert_close(scored.logprobs, reference_logprobs(model, *ids, temperature))
 
 
-async def stage_shared_memory(stub, packed: Packed, version: int):
-    """Stage + commit `packed` as `version` through a shared-memory segment we own."""
+async def stage_shared_memory(stub, packed: Packed, version: int, before_commit=None):
+    """Stage + commit `packed` as `version` through a shared-memory segment we own
+    (`before_commit`: awaited between the two phases)."""
     name = f"grpo_test_{uuid.uuid4().hex[:10]}"
     segment = packed.to_segment(name)
     try:
@@ -130,6 +131,8 @@ async def stage_shared_memory(stub, packed: Packed, version: int):
         wv.shared_memory.segment_name = name
         wv.shared_memory.size = len(packed.data)
         staged = await stub.StageWeights(rollout_pb2.StageWeightsRequest(weight_version=wv), timeout=TIMEOUT)
+        if before_commit is not None:
+            await before_commit()
         committed = await stub.CommitWeights(
             rollout_pb2.CommitWeightsRequest(version=version), timeout=TIMEOUT
         )
@@ -192,15 +195,26 @@ async def test_vllm_commit_during_generation_splits_spans_consistently(
         models = {version: model_with_state(reference_model, old_state)}
         models[version + 1] = model_with_state(reference_model, new_state)
         await stage_shared_memory(stub, Packed(old_state), version)
-        running = asyncio.ensure_future(generate(stub, "1+2+3=", n=4, temperature=1.0, max_tokens=400))
-        for _ in range(1000):  # commit while the request is in flight (if it still is)
-            if (await state_of(stub)).in_flight or running.done():
-                break
-            await asyncio.sleep(0.01)
-        await stage_shared_memory(stub, Packed(new_state), version + 1)
+        started = time.monotonic()  # how long such a generation takes here, to commit a third into it
+        await generate(stub, "1+2+3=", n=4, temperature=1.0, max_tokens=400)
+        duration = time.monotonic() - started
+        running = None
+
+        async def start_generation_and_wait_until_in_flight() -> None:
+            nonlocal running  # v+1 is staged already: the commit alone lands mid-generation
+            running = asyncio.ensure_future(generate(stub, "1+2+3=", n=4, temperature=1.0, max_tokens=400))
+            await asyncio.sleep(duration / 3)
+
+        await stage_shared_memory(
+            stub, Packed(new_state), version + 1, start_generation_and_wait_until_in_flight
+        )
         completions = await running
         assert len(completions) == 4
-        print(f"completions spanning two versions: {sum(len(c.version_spans) > 1 for c in completions)} of 4")
+        spanning = sum(len(c.version_spans) > 1 for c in completions)
+        print(f"completions spanning two versions: {spanning} of 4")
+        assert spanning, (
+            "the commit landed after every sample had finished: nothing tested the in-flight update"
+        )
         for c in completions:
             spans = [(s.version, s.start, s.end) for s in c.version_spans]
             assert spans[0][1] == 0 and spans[-1][2] == len(c.completion_token_ids)

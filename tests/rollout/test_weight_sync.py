@@ -49,7 +49,7 @@ async def test_versions_not_newer_than_loaded_and_planned_transports_are_refused
         await stager.stage(
             StageTarget(3, packed.manifest, TransportKind.grpc_stream, None), current_version=3
         )
-    with pytest.raises(FailedPrecondition, match="cuda_ipc weight transport is not implemented yet"):
-        await stager.stage(StageTarget(4, packed.manifest, TransportKind.cuda_ipc, None), current_version=3)
+    with pytest.raises(FailedPrecondition, match="checkpoint weight transport is not implemented yet"):
+        await stager.stage(StageTarget(4, packed.manifest, TransportKind.checkpoint, None), current_version=3)
     with pytest.raises(FailedPrecondition, match="not staged"):
         await stager.take(3)

@@ -43,8 +43,8 @@ def test_target_from_proto_rejects_missing_or_planned_transport_and_bad_manifest
     message = Packed({"w": torch.ones(4, 4)}).weight_version(1)
     with pytest.raises(InvalidArgument, match="no transport"):
         transports.target_from_proto(message)
-    message.cuda_ipc.SetInParent()
-    with pytest.raises(FailedPrecondition, match="cuda_ipc weight transport is not implemented yet"):
+    message.checkpoint.path = "/ckpt"
+    with pytest.raises(FailedPrecondition, match="checkpoint weight transport is not implemented yet"):
         transports.target_from_proto(message)
     message.shared_memory.segment_name = ""
     with pytest.raises(InvalidArgument, match="segment_name is empty"):

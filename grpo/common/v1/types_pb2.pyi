@@ -240,7 +240,7 @@ class SharedMemoryTransport(_message.Message):
     def __init__(self, segment_name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class CudaIpcBucket(_message.Message):
-    __slots__ = ("device_uuid", "handle", "storage_offset", "nbytes", "ref_counter_handle", "ref_counter_offset", "event_handle")
+    __slots__ = ("device_uuid", "handle", "storage_offset", "nbytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "storage_size_bytes", "event_sync_required", "slot")
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,9 @@ class CudaIpcBucket(_message.Message):
     REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
     REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     device_uuid: str
     handle: bytes
     storage_offset: int
@@ -255,7 +258,10 @@ class CudaIpcBucket(_message.Message):
     ref_counter_handle: bytes
     ref_counter_offset: int
     event_handle: bytes
-    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ...) -> None: ...
+    storage_size_bytes: int
+    event_sync_required: bool
+    slot: int
+    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., event_sync_required: _Optional[bool] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class CudaIpcTransport(_message.Message):
     __slots__ = ("buckets",)

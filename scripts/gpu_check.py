@@ -1,0 +1,238 @@
+"""GPU checks in one command (`make gpu-check`) on a machine with one NVIDIA GPU; prints one report.
+
+    1. the GPU-only tests (`pytest -m gpu`): wsum64 on the device, cuda_ipc export/attach/views
+    2. cuda_ipc between two processes on one GPU, for bf16 and fp32: a real learner service and a
+       transformers-engine rollout service, a Qwen2.5-0.5B-shaped random model built from its config
+       (no downloads), `--syncs` versions of TrainStep → PrepareWeights → StageWeights → CommitWeights
+       → alignment probe → ReleaseWeights: sync time per version, alignment (fp32 must be ≤ 1e-4),
+       GPU memory per process before and after all syncs (a leak shows as growth), and zero-copy
+       attach (the rollout's own memory drops by about the model's size once it adopts the learner's
+       buffer: it holds no second copy)
+    3. nccl across GPUs needs two GPUs: reported as skipped on one
+
+The report goes to stdout and, where $OUT is set (the device tool), to $OUT/gpu_check.json.
+
+    python scripts/gpu_check.py [--syncs 100] [--dtypes bfloat16 float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from grpo.common.v1 import types_pb2  # noqa: E402
+from grpo.learner.v1 import learner_pb2, learner_pb2_grpc  # noqa: E402
+from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+
+QWEN25_05B = dict(  # Qwen2.5-0.5B's shape (config.json of the released model), random weights
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0,
+)  # fmt: skip
+
+
+def gpu_memory_mib() -> dict[int, int]:
+    """pid → MiB of GPU memory used, from nvidia-smi (what the driver sees: every process)."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=False,
+    ).stdout  # fmt: skip
+    usage = {}
+    for line in out.strip().splitlines():
+        pid, used = (part.strip() for part in line.split(","))
+        usage[int(pid)] = int(used)
+    return usage
+
+
+def build_model(directory: Path) -> int:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from services.launch.tiny_model import build_tokenizer
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B, torch_dtype="float32"))
+    model.save_pretrained(directory, safe_serialization=True)
+    build_tokenizer().save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+def start(args: list[str], port_file: Path, log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", *args, "--port", "0", "--port-file", str(port_file)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    with log.open("w") as handle:
+        return subprocess.Popen(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_port(proc: subprocess.Popen, port_file: Path, log: Path, timeout: float = 900) -> str:
+    deadline = time.monotonic() + timeout
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{port_file.stem} did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def batch(step: int, vocab: int) -> types_pb2.TrainBatch:
+    out = types_pb2.TrainBatch(batch_id=f"gpu-check-{step}", step=step)
+    for g in range(2):
+        group = out.groups.add(group_id=f"g{g}")
+        for i in range(2):
+            group.completions.add(
+                prompt_token_ids=[(7 * g + j) % vocab for j in range(16)],
+                completion_token_ids=[(3 * i + j + step) % vocab for j in range(16)],
+                logprobs=[-5.0] * 16,
+                sampling_params=types_pb2.SamplingParams(temperature=1.0, n=2),
+            )
+        group.rewards.extend([1.0, 0.0])
+        group.advantages.extend([1.0, -1.0])
+    return out
+
+
+def cuda_ipc_check(model_dir: Path, params: int, dtype: str, syncs: int, work: Path) -> dict:
+    """Learner + transformers rollout as two processes on one GPU, synced over cuda_ipc `syncs` times."""
+    model_mib = params * (2 if dtype == "bfloat16" else 4) / 2**20
+    learner = start(
+        ["services.learner", "--model", str(model_dir), "--device", "cuda", "--dtype", dtype,
+         "--publish.export-dtype", dtype, "--optim.lr", "1e-6"],
+        work / f"learner-{dtype}.port", work / f"learner-{dtype}.log",
+    )  # fmt: skip
+    rollout = start(
+        ["services.rollout", "--model", str(model_dir), "--engine", "transformers", "--dtype", dtype,
+         "--hf.device", "cuda", "--max-model-len", "512", "--rollout-id", "gpu-check"],
+        work / f"rollout-{dtype}.port", work / f"rollout-{dtype}.log",
+    )  # fmt: skip
+    try:
+        learner_address = wait_port(learner, work / f"learner-{dtype}.port", work / f"learner-{dtype}.log")
+        rollout_address = wait_port(rollout, work / f"rollout-{dtype}.port", work / f"rollout-{dtype}.log")
+        learner_stub = learner_pb2_grpc.LearnerServiceStub(grpc.insecure_channel(learner_address))
+        rollout_stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(rollout_address))
+        probe = types_pb2.TokenSequence(
+            prompt_token_ids=list(range(1, 17)), completion_token_ids=list(range(20, 36)), temperature=1.0
+        )
+        rollout_before_attach = gpu_memory_mib().get(rollout.pid, 0)
+        times, diffs, memory_after_first = [], [], {}
+        for step in range(syncs):
+            learner_stub.TrainStep(learner_pb2.TrainStepRequest(batch=batch(step, 384)), timeout=600)
+            started = time.perf_counter()
+            prepared = learner_stub.PrepareWeights(
+                learner_pb2.PrepareWeightsRequest(transport=types_pb2.WEIGHT_TRANSPORT_KIND_CUDA_IPC),
+                timeout=600,
+            ).weight_version
+            t_prepare = time.perf_counter()
+            rollout_stub.StageWeights(rollout_pb2.StageWeightsRequest(weight_version=prepared), timeout=600)
+            t_stage = time.perf_counter()
+            rollout_stub.CommitWeights(
+                rollout_pb2.CommitWeightsRequest(version=prepared.version), timeout=600
+            )
+            t_commit = time.perf_counter()
+            ours = learner_stub.ScoreTokens(learner_pb2.ScoreTokensRequest(sequence=probe), timeout=600)
+            theirs = rollout_stub.ScoreTokens(rollout_pb2.ScoreTokensRequest(sequence=probe), timeout=600)
+            learner_stub.ReleaseWeights(
+                learner_pb2.ReleaseWeightsRequest(version=prepared.version), timeout=600
+            )
+            diffs.append(max(abs(a - b) for a, b in zip(ours.logprobs, theirs.logprobs, strict=True)))
+            times.append(
+                ((t_prepare - started) * 1e3, (t_stage - t_prepare) * 1e3, (t_commit - t_stage) * 1e3)
+            )
+            if step == 0:
+                memory_after_first = gpu_memory_mib()
+        memory_after_all = gpu_memory_mib()
+        totals = [sum(t) for t in times]
+        result = {
+            "dtype": dtype,
+            "syncs": syncs,
+            "model_mib": round(model_mib, 1),
+            "sync_ms_median": round(statistics.median(totals), 2),
+            "sync_ms_p90": round(sorted(totals)[int(0.9 * (len(totals) - 1))], 2),
+            "prepare_ms_median": round(statistics.median(t[0] for t in times), 2),
+            "stage_ms_median": round(statistics.median(t[1] for t in times), 2),
+            "commit_ms_median": round(statistics.median(t[2] for t in times), 2),
+            "logprob_abs_diff_max": max(diffs),
+            "alignment_ok": dtype != "float32" or max(diffs) <= 1e-4,
+            "learner_mib_after_first_sync": memory_after_first.get(learner.pid),
+            "learner_mib_after_all_syncs": memory_after_all.get(learner.pid),
+            "rollout_mib_before_attach": rollout_before_attach,
+            "rollout_mib_after_first_sync": memory_after_first.get(rollout.pid),
+            "rollout_mib_after_all_syncs": memory_after_all.get(rollout.pid),
+        }
+        growth = [
+            (memory_after_all.get(p, 0) - memory_after_first.get(p, 0)) for p in (learner.pid, rollout.pid)
+        ]
+        result["memory_growth_mib"] = growth
+        result["no_leak"] = all(g <= 64 for g in growth)
+        dropped = rollout_before_attach - (memory_after_first.get(rollout.pid) or rollout_before_attach)
+        result["zero_copy_attach"] = dropped >= 0.8 * model_mib
+        return result
+    finally:
+        for proc in (rollout, learner):
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--syncs", type=int, default=100)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    args = parser.parse_args()
+    report: dict = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
+    if not torch.cuda.is_available():
+        report["error"] = "no CUDA device"
+        print(json.dumps(report, indent=2))
+        return 1
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+         "tests/common/test_checksums.py", "tests/transports/test_cuda_ipc.py"],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    report["gpu_tests"] = {"exit_code": tests.returncode, "summary": tests.stdout.strip().splitlines()[-1:]}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        params = build_model(work / "model")
+        report["model_params_m"] = round(params / 1e6, 1)
+        report["cuda_ipc"] = []
+        for dtype in args.dtypes:
+            try:
+                report["cuda_ipc"].append(cuda_ipc_check(work / "model", params, dtype, args.syncs, work))
+            except Exception as exc:  # one failing section must not hide the others
+                report["cuda_ipc"].append({"dtype": dtype, "error": f"{type(exc).__name__}: {exc}"[:4000]})
+    report["nccl"] = (
+        "skipped: needs two GPUs (learner and rollout on different devices)"
+        if torch.cuda.device_count() < 2
+        else "not run by this script"
+    )
+    text = json.dumps(report, indent=2)
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.json").write_text(text)
+    ok = report["gpu_tests"]["exit_code"] == 0 and all(
+        r.get("alignment_ok") and r.get("no_leak") and r.get("zero_copy_attach") for r in report["cuda_ipc"]
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Download, here, the wheels `make gpu-check` needs on the GPU image (Python 3.12, x86-64): the
+# packages grpo-mesh uses that the image does not have, at the versions this checkout was tested
+# with (.venv). They land in .whl/ (git-ignored), which the device tool carries.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PIP=(.venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl)
+version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+mkdir -p .whl
+for package in grpcio grpcio-health-checking grpcio-reflection protobuf pydantic pydantic-core \
+    pydantic-settings annotated-types typing-inspection python-dotenv structlog tomli-w pytest-asyncio; do
+  "${PIP[@]}" "$package==$(version "$package")"
+done
+ls -la .whl

@@ -1,0 +1,348 @@
+"""`cuda_ipc`: rollouts on the learner's physical GPU attach to the learner's GPU memory.
+
+    learner   two staging buffers on its GPU, allocated and exported ONCE (a CUDA IPC handle each,
+              from `torch.multiprocessing.reductions.reduce_tensor`), double-buffered: version v is
+              packed into buffer v % 2, so the buffer the rollouts read (v - 1) is rewritten only by
+              v + 1, after every rollout committed v. Checksums are computed on the GPU (wsum64).
+    rollout   every engine worker (each its own process) checks the export against its own device
+              (by GPU UUID) and the manifest against the export (dtypes, shapes, byte ranges) before
+              touching anything, opens each handle ONCE per process (cached), and verifies the
+              checksums on the GPU
+    engine    views of the learner's buffer: the transformers engine adopts them as its parameters
+              (`zero_copy` in the plan: no second copy of the weights); vLLM copies them through its
+              loader (one device-to-device copy)
+
+Receivers' processes must share the GPU, the IPC namespace and a PID namespace with the learner
+(docker: `ipc: host`, `pid: host`, the same device ids). Handles travel as explicit proto fields:
+never pickle. Nothing here runs without CUDA; `check_export` (pure) is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo.common.v1 import types_pb2
+from services.common import weights
+from services.common.checksums import ChecksumAlgorithm
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.logging import get_logger
+from services.transports.base import (
+    LoadPlan,
+    Prepared,
+    PublishContext,
+    Receiver,
+    StageContext,
+    Staged,
+    StageTarget,
+    TransportKind,
+    WeightTransport,
+    WorkerContext,
+)
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class IpcExport:
+    """One exported staging buffer: what `rebuild_cuda_tensor` needs, as plain values."""
+
+    slot: int
+    device_uuid: str
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    nbytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+    def to_spec(self) -> dict[str, Any]:
+        """Plain data for worker RPCs (bytes as hex: vLLM's msgpack carries them, JSON would not)."""
+        return {
+            "slot": self.slot,
+            "device_uuid": self.device_uuid,
+            "handle": self.handle.hex(),
+            "storage_size_bytes": self.storage_size_bytes,
+            "storage_offset_bytes": self.storage_offset_bytes,
+            "nbytes": self.nbytes,
+            "ref_counter_handle": self.ref_counter_handle.hex(),
+            "ref_counter_offset": self.ref_counter_offset,
+            "event_handle": self.event_handle.hex(),
+            "event_sync_required": self.event_sync_required,
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> IpcExport:
+        return cls(
+            int(spec["slot"]), str(spec["device_uuid"]), bytes.fromhex(spec["handle"]),
+            int(spec["storage_size_bytes"]), int(spec["storage_offset_bytes"]), int(spec["nbytes"]),
+            bytes.fromhex(spec["ref_counter_handle"]), int(spec["ref_counter_offset"]),
+            bytes.fromhex(spec["event_handle"]), bool(spec["event_sync_required"]),
+        )  # fmt: skip
+
+
+def device_uuid(device: torch.device) -> str:
+    """The GPU's UUID: the one identity two processes with different CUDA_VISIBLE_DEVICES share."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def check_export(manifest: weights.Manifest, export: IpcExport, local_uuid: str | None) -> None:
+    """Refuse, before touching any memory, an export this worker cannot or must not read."""
+    if local_uuid is None:
+        raise FailedPrecondition("cuda_ipc needs this rollout worker on a CUDA device")
+    if export.device_uuid != local_uuid:
+        raise FailedPrecondition(
+            f"the weights are on GPU {export.device_uuid}, this worker is on {local_uuid}: cuda_ipc only "
+            "works on the same physical GPU (use nccl across GPUs)"
+        )
+    if not export.handle:
+        raise InvalidArgument("weight_version.cuda_ipc has no memory handle")
+    if export.storage_offset_bytes + export.nbytes > export.storage_size_bytes:
+        raise InvalidArgument(
+            f"exported buffer [{export.storage_offset_bytes}, +{export.nbytes}) lies outside its "
+            f"allocation of {export.storage_size_bytes} bytes"
+        )
+    if manifest.total_bytes > export.nbytes:
+        raise InvalidArgument(f"manifest needs {manifest.total_bytes} bytes; the export has {export.nbytes}")
+    if manifest.algorithm != ChecksumAlgorithm.wsum64:
+        raise InvalidArgument(
+            f"cuda_ipc checksums are wsum64 (computed on the GPU), got {manifest.algorithm}"
+        )
+    for entry in manifest.tensors:
+        weights.dtype_from_name(entry.dtype)  # InvalidArgument for an unknown dtype
+        if entry.offset + entry.nbytes > export.nbytes:
+            raise InvalidArgument(f"tensor {entry.name} lies outside the exported buffer")
+
+
+# ---------------------------------------------------------------------------------------------- learner
+
+
+class _Exporter:
+    """The learner's two staging buffers and their exports (made once, kept for the process's life)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.exports: list[IpcExport | None] = [None, None]
+
+    def buffer(self, slot: int, size: int, device: torch.device) -> tuple[torch.Tensor, IpcExport]:
+        current = self.buffers[slot]
+        if current is None or current.numel() < size or current.device != device:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            current = torch.empty(size, dtype=torch.uint8, device=device)
+            _, args = reduce_tensor(current)
+            (
+                _,
+                _,
+                _,
+                _,
+                _,
+                _,
+                _,
+                handle,
+                storage_size,
+                storage_offset,
+                _,
+                ref_handle,
+                ref_offset,
+                event,
+                sync,
+            ) = args
+            self.buffers[slot] = current
+            self.exports[slot] = IpcExport(
+                slot, device_uuid(device), bytes(handle), int(storage_size), int(storage_offset), size,
+                bytes(ref_handle or b""), int(ref_offset or 0), bytes(event or b""), bool(sync),
+            )  # fmt: skip
+            log.info("cuda ipc staging buffer exported", slot=slot, bytes=size, device=str(device))
+        export = self.exports[slot]
+        assert export is not None
+        return current, export
+
+
+class CudaIpcPrepared(Prepared):
+    kind = TransportKind.cuda_ipc
+
+    def __init__(self, version: int, manifest: weights.Manifest, export: IpcExport) -> None:
+        super().__init__(version, manifest)
+        self.export = export
+
+    def view(self) -> memoryview:
+        raise FailedPrecondition(f"weight version {self.version} lives in GPU memory (cuda_ipc)")
+
+    def close(self) -> None:
+        torch.cuda.ipc_collect()  # free what consumers released (the staging buffers themselves stay)
+
+
+# ---------------------------------------------------------------------------------------------- workers
+
+
+class _Attachments:
+    """One worker's opened handles (once per process and buffer) and the version each holds."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[bytes, torch.Tensor] = {}
+        self.verified: dict[int, tuple[bytes, weights.Manifest]] = {}  # version -> (handle, manifest)
+
+    def attach(self, spec: dict[str, Any], worker: WorkerContext) -> dict[str, Any]:
+        manifest = _manifest_from_spec(spec)
+        export = IpcExport.from_spec(spec["export"])
+        local = device_uuid(worker.device) if worker.device.type == "cuda" else None
+        check_export(manifest, export, local)
+        buffer = self.buffers.get(export.handle)
+        if buffer is None:
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            buffer = rebuild_cuda_tensor(
+                torch.Tensor, (export.nbytes,), (1,), 0, torch.storage.TypedStorage, torch.uint8,
+                worker.device.index or 0, export.handle, export.storage_size_bytes,
+                export.storage_offset_bytes,
+                False, export.ref_counter_handle, export.ref_counter_offset, export.event_handle,
+                export.event_sync_required,
+            )  # fmt: skip
+            self.buffers[export.handle] = buffer
+        weights.verify_buckets(buffer, manifest)
+        self.verified = {v: entry for v, entry in self.verified.items() if v >= manifest_version(spec) - 1}
+        self.verified[manifest_version(spec)] = (export.handle, manifest)
+        return {"attached": True}
+
+    @contextmanager
+    def open(
+        self, version: int, tensors: list[weights.TensorEntry]
+    ) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+        entry = self.verified.get(version)
+        if entry is None:
+            raise FailedPrecondition(f"weight version {version} was not attached by this worker")
+        buffer = self.buffers[entry[0]]
+        yield (
+            (
+                t.name,
+                buffer[t.offset : t.offset + t.nbytes]
+                .view(weights.dtype_from_name(t.dtype))
+                .reshape(t.shape),
+            )
+            for t in tensors
+        )
+
+
+def manifest_version(spec: dict[str, Any]) -> int:
+    return int(spec["version"])
+
+
+def _manifest_to_spec(manifest: weights.Manifest) -> dict[str, Any]:
+    return {
+        "algorithm": manifest.algorithm.value,
+        "total_bytes": manifest.total_bytes,
+        "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in manifest.tensors],
+        "buckets": [[b.index, b.offset, b.nbytes, b.digest] for b in manifest.buckets],
+    }
+
+
+def _manifest_from_spec(spec: dict[str, Any]) -> weights.Manifest:
+    tensors = tuple(weights.TensorEntry(n, d, tuple(s), o, b) for n, d, s, o, b in spec["tensors"])
+    buckets = tuple(weights.BucketEntry(i, o, n, d) for i, o, n, d in spec["buckets"])
+    return weights.Manifest(tensors, buckets, int(spec["total_bytes"]), ChecksumAlgorithm(spec["algorithm"]))
+
+
+# ---------------------------------------------------------------------------------------------- transport
+
+
+class AttachedStaged(Staged):
+    """A version every worker of this rollout attached to and verified, in the learner's buffer."""
+
+    @property
+    def plan(self) -> LoadPlan:
+        return LoadPlan(TransportKind.cuda_ipc, {"version": self.version, "zero_copy": True})
+
+    def release(self) -> None:
+        """Nothing to free: handles stay open for the process's life (one per learner buffer)."""
+
+
+class CudaIpcTransport(WeightTransport):
+    kind = TransportKind.cuda_ipc
+    live_state = True
+
+    # ---- learner half
+    def prepare(
+        self,
+        version: int,
+        state: Mapping[str, torch.Tensor],
+        ctx: PublishContext,
+        receivers: tuple[Receiver, ...] = (),
+    ) -> Prepared:
+        device = next(iter(state.values())).device
+        if device.type != "cuda":
+            raise FailedPrecondition(
+                "cuda_ipc needs the learner on a CUDA device (use nccl or shared_memory)"
+            )
+        exporter = ctx.state.setdefault("cuda_ipc", _Exporter())
+        entries = weights.plan_layout(state)
+        total = weights.packed_size(entries)
+        buffer, export = exporter.buffer(version % 2, total, device)
+        for entry in entries:  # device-to-device copies into the staging buffer
+            if entry.nbytes:
+                source = state[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
+                buffer[entry.offset : entry.offset + entry.nbytes].copy_(source)
+        buckets = weights.checksum_buckets(buffer, total, ctx.bucket_bytes, ChecksumAlgorithm.wsum64)
+        torch.cuda.synchronize(device)  # consumers in other processes read after this returns
+        return CudaIpcPrepared(
+            version, weights.Manifest(tuple(entries), tuple(buckets), total, ChecksumAlgorithm.wsum64), export
+        )
+
+    def write_descriptor(self, prepared: Prepared, message: types_pb2.WeightVersion) -> None:
+        assert isinstance(prepared, CudaIpcPrepared)
+        e = prepared.export
+        message.cuda_ipc.buckets.add(
+            device_uuid=e.device_uuid, handle=e.handle, storage_offset=e.storage_offset_bytes,
+            nbytes=e.nbytes,
+            ref_counter_handle=e.ref_counter_handle, ref_counter_offset=e.ref_counter_offset,
+            event_handle=e.event_handle, storage_size_bytes=e.storage_size_bytes,
+            event_sync_required=e.event_sync_required, slot=e.slot,
+        )  # fmt: skip
+
+    # ---- rollout half
+    def read_descriptor(self, message: types_pb2.WeightVersion) -> IpcExport:
+        if len(message.cuda_ipc.buckets) != 1:
+            raise InvalidArgument(
+                "weight_version.cuda_ipc must describe exactly one exported buffer, "
+                f"got {len(message.cuda_ipc.buckets)}"
+            )
+        b = message.cuda_ipc.buckets[0]
+        if not b.device_uuid or not b.handle or not b.nbytes:
+            raise InvalidArgument("weight_version.cuda_ipc needs device_uuid, handle and nbytes")
+        return IpcExport(
+            b.slot, b.device_uuid, b.handle, b.storage_size_bytes, b.storage_offset, b.nbytes,
+            b.ref_counter_handle, b.ref_counter_offset, b.event_handle, b.event_sync_required,
+        )  # fmt: skip
+
+    async def stage(self, target: StageTarget, ctx: StageContext) -> Staged:
+        if ctx.workers is None:
+            raise FailedPrecondition("the cuda_ipc transport needs an engine whose workers can attach")
+        started = time.perf_counter()
+        spec = {
+            "version": target.version,
+            "export": target.descriptor.to_spec(),
+            **_manifest_to_spec(target.manifest),
+        }
+        await ctx.workers.call_workers(self.kind, "attach", spec)
+        return AttachedStaged(target.version, target.manifest, (time.perf_counter() - started) * 1e3)
+
+    # ---- engine half
+    def worker_op(self, op: str, spec: dict[str, Any], worker: WorkerContext) -> dict[str, Any]:
+        if op != "attach":
+            raise InvalidArgument(f"unknown cuda_ipc worker operation {op!r}")
+        return worker.state.setdefault("cuda_ipc", _Attachments()).attach(spec, worker)
+
+    def open_tensors(
+        self, spec: dict[str, Any], tensors: list[weights.TensorEntry], worker: WorkerContext
+    ) -> Any:
+        attachments = worker.state.get("cuda_ipc")
+        if attachments is None:
+            raise FailedPrecondition(f"weight version {spec['version']} was not attached by this worker")
+        return attachments.open(int(spec["version"]), tensors)

@@ -1,0 +1,136 @@
+"""The cuda_ipc transport. On CPU: the checks a receiver makes before touching any memory (device by
+UUID, the manifest against the export's byte ranges, dtypes, checksum algorithm), the descriptor's
+validation, and precise refusals without a GPU. On a GPU (marker `gpu`): a learner export attached
+and verified through the engine half, zero copy."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+import torch
+
+from grpo.common.v1 import types_pb2
+from services.common import weights
+from services.common.checksums import ChecksumAlgorithm
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.transports import PublishContext, StageContext, TransportKind, WorkerContext
+from services.transports import registry as transports
+from services.transports.cuda_ipc import IpcExport, check_export
+
+IPC = transports.get(TransportKind.cuda_ipc)
+UUID = "GPU-5a1c0de0-0000-4000-8000-000000000001"
+
+
+def _manifest(algorithm: ChecksumAlgorithm = ChecksumAlgorithm.wsum64) -> weights.Manifest:
+    tensors = (
+        weights.TensorEntry("a.weight", "float32", (4, 8), 0, 128),
+        weights.TensorEntry("b.weight", "bfloat16", (16,), 128, 32),
+    )
+    return weights.Manifest(tensors, (weights.BucketEntry(0, 0, 192, "0" * 16),), 192, algorithm)
+
+
+def _export(**changes) -> IpcExport:
+    base = IpcExport(0, UUID, b"\x01" * 64, 4096, 512, 1024, b"ref", 8, b"event", True)
+    return replace(base, **changes)
+
+
+def test_a_consistent_export_on_the_same_gpu_is_accepted() -> None:
+    check_export(_manifest(), _export(), UUID)
+
+
+@pytest.mark.parametrize(
+    ("manifest", "export", "local", "error", "needle"),
+    [
+        (_manifest(), _export(), None, FailedPrecondition, "on a CUDA device"),
+        (_manifest(), _export(), "GPU-other", FailedPrecondition, "only works on the same physical GPU"),
+        (_manifest(), _export(handle=b""), UUID, InvalidArgument, "no memory handle"),
+        (_manifest(), _export(storage_offset_bytes=3500), UUID, InvalidArgument, "outside its allocation"),
+        (_manifest(), _export(nbytes=100), UUID, InvalidArgument, "manifest needs 192 bytes"),
+        (_manifest(ChecksumAlgorithm.xxh3_64), _export(), UUID, InvalidArgument, "wsum64"),
+        (
+            replace(_manifest(), tensors=(weights.TensorEntry("x", "complex32", (2,), 0, 8),)),
+            _export(),
+            UUID,
+            InvalidArgument,
+            "complex32",
+        ),
+        (
+            replace(_manifest(), tensors=(weights.TensorEntry("x", "float32", (300,), 0, 1200),)),
+            _export(),
+            UUID,
+            InvalidArgument,
+            "outside the exported buffer",
+        ),
+    ],
+)
+def test_receivers_refuse_what_they_must_not_read(manifest, export, local, error, needle) -> None:
+    with pytest.raises(error, match=needle):
+        check_export(manifest, export, local)
+
+
+def test_descriptor_round_trip_and_malformed_descriptors() -> None:
+    message = types_pb2.WeightVersion(version=2)
+    export = _export()
+    message.cuda_ipc.buckets.add(
+        device_uuid=export.device_uuid, handle=export.handle, storage_offset=export.storage_offset_bytes,
+        nbytes=export.nbytes, ref_counter_handle=export.ref_counter_handle,
+        ref_counter_offset=export.ref_counter_offset, event_handle=export.event_handle,
+        storage_size_bytes=export.storage_size_bytes, event_sync_required=True, slot=0,
+    )  # fmt: skip
+    assert IPC.read_descriptor(message) == export
+    assert IpcExport.from_spec(export.to_spec()) == export  # the plain-data form workers get
+    message.cuda_ipc.buckets.add(device_uuid=UUID)
+    with pytest.raises(InvalidArgument, match="exactly one exported buffer"):
+        IPC.read_descriptor(message)
+    del message.cuda_ipc.buckets[:]
+    message.cuda_ipc.buckets.add(device_uuid=UUID, nbytes=10)
+    with pytest.raises(InvalidArgument, match="needs device_uuid, handle and nbytes"):
+        IPC.read_descriptor(message)
+
+
+def test_without_a_gpu_both_halves_refuse_precisely() -> None:
+    ctx = PublishContext("run", 1 << 20, 1 << 20, lambda: "h:1")
+    with pytest.raises(FailedPrecondition, match="needs the learner on a CUDA device"):
+        IPC.prepare(1, {"w": torch.ones(2)}, ctx)
+    worker = WorkerContext({}, 0, torch.device("cpu"))
+    spec = {"version": 1, "export": _export().to_spec(), "algorithm": "wsum64", "total_bytes": 192}
+    spec |= {"tensors": [["a.weight", "float32", [4, 8], 0, 128]], "buckets": [[0, 0, 192, "0" * 16]]}
+    with pytest.raises(FailedPrecondition, match="on a CUDA device"):
+        transports.worker_op("cuda_ipc", "attach", spec, worker)
+    plan = transports.LoadPlan(TransportKind.cuda_ipc, {"version": 1})
+    with pytest.raises(FailedPrecondition, match="was not attached by this worker"):
+        with transports.open_tensors(plan, [], worker):
+            pass
+
+
+@pytest.mark.gpu
+def test_gpu_export_attach_verify_and_zero_copy_views() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda")
+    state = {"a.weight": torch.randn(64, 32, device=device), "b.bias": torch.randn(7, device=device)}
+    ctx = PublishContext("run", 4096, 1 << 20, lambda: "h:1")
+    prepared = IPC.prepare(3, state, ctx)
+    message = transports.describe(prepared)
+    assert message.checksum_algorithm == types_pb2.CHECKSUM_ALGORITHM_WSUM64
+    target = transports.target_from_proto(message)
+
+    class SameProcessWorkers:  # the engine half in this process (a second process: tests/e2e)
+        def __init__(self) -> None:
+            self.worker = WorkerContext({}, 0, device)
+
+        async def call_workers(self, kind, op, spec):
+            return [transports.worker_op(kind, op, spec, self.worker)]
+
+    workers = SameProcessWorkers()
+    staged = asyncio.run(IPC.stage(target, StageContext("r", 30, workers)))
+    assert staged.plan.spec["zero_copy"]
+    exporter = ctx.state["cuda_ipc"]
+    base = exporter.buffers[3 % 2].data_ptr()
+    with transports.open_tensors(staged.plan, list(staged.manifest.tensors), workers.worker) as views:
+        for name, view in views:
+            assert torch.equal(view, state[name])
+            assert base <= view.data_ptr() < base + exporter.buffers[1].numel()  # a view, not a copy
+    prepared.close()

@@ -100,9 +100,11 @@ def test_without_a_gpu_both_halves_refuse_precisely() -> None:
     with pytest.raises(FailedPrecondition, match="on a CUDA device"):
         transports.worker_op("cuda_ipc", "attach", spec, worker)
     plan = transports.LoadPlan(TransportKind.cuda_ipc, {"version": 1})
-    with pytest.raises(FailedPrecondition, match="was not attached by this worker"):
-        with transports.open_tensors(plan, [], worker):
-            pass
+    with (
+        pytest.raises(FailedPrecondition, match="was not attached by this worker"),
+        transports.open_tensors(plan, [], worker),
+    ):
+        pass
 
 
 @pytest.mark.gpu

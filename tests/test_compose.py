@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]
 PORTS = {"scheduler": 50050, "env": 50051, "rollout": 50052, "learner": 50053}  # documented defaults
-PROFILES = ("cpu", "gpu")
+PROFILES = ("cpu", "gpu", "gpu-nccl")
 ADDRESS = re.compile(r"^([a-z][a-z0-9-]*):(\d+)$")
 
 
@@ -141,6 +141,20 @@ def test_gpu_pair_shares_gpu_ipc_and_pid() -> None:
     for role in ("rollout", "learner"):
         if active[role] != role:  # peers address the role name: the variant must answer to it
             assert role in SERVICES[active[role]]["networks"]["default"]["aliases"]
+
+
+def test_nccl_layout_puts_learner_and_rollout_on_different_gpus_with_a_fixed_rendezvous() -> None:
+    active = _active("gpu-nccl")
+    learner, rollout, scheduler = (SERVICES[active[r]] for r in ("learner", "rollout", "scheduler"))
+    ids = [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for s in (learner, rollout)]
+    assert ids[0] != ids[1], "NCCL cannot place two ranks on one GPU"
+    port = learner["environment"]["GRPO_LEARNER__PUBLISH__COLLECTIVE_PORT"]
+    assert port in learner["expose"]
+    assert learner["environment"]["NCCL_SOCKET_IFNAME"] == rollout["environment"]["NCCL_SOCKET_IFNAME"]
+    assert scheduler["environment"]["GRPO_SCHEDULER__WEIGHT_TRANSPORT"] == "nccl"
+    assert (
+        SERVICES[_active("gpu")["scheduler"]]["environment"]["GRPO_SCHEDULER__WEIGHT_TRANSPORT"] == "cuda_ipc"
+    )
 
 
 def test_cpu_rollout_shares_the_learners_shared_memory() -> None:

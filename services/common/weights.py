@@ -103,6 +103,22 @@ def pack_into(state: Mapping[str, torch.Tensor], entries: list[TensorEntry], buf
         dst.copy_(src.view(torch.uint8))
 
 
+def pack_range(
+    state: Mapping[str, torch.Tensor], entries: list[TensorEntry], start: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Copy bytes [start, start + out.numel()) of the packed layout into the uint8 tensor `out`, on
+    `out`'s device (device-to-device when the state lives there too); padding between tensors is zeroed."""
+    out.zero_()
+    end = start + out.numel()
+    for entry in entries:
+        lo, hi = max(entry.offset, start), min(entry.offset + entry.nbytes, end)
+        if lo >= hi:
+            continue
+        source = state[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
+        out[lo - start : hi - start].copy_(source[lo - entry.offset : hi - entry.offset], non_blocking=True)
+    return out
+
+
 def bucket_ranges(total: int, bucket_bytes: int) -> Iterator[tuple[int, int, int]]:
     """(index, offset, size) of the buckets that tile [0, total)."""
     for index, start in enumerate(range(0, total, bucket_bytes)):
@@ -146,6 +162,17 @@ def iter_tensors(
             continue
         flat = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
         yield entry.name, flat.view(dtype).reshape(entry.shape)
+
+
+def tensor_views(
+    buffer: torch.Tensor, tensors: tuple[TensorEntry, ...] | list[TensorEntry]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into a uint8 tensor on any device (a receive or IPC buffer), zero-copy."""
+    for entry in tensors:
+        if entry.offset + entry.nbytes > buffer.numel():
+            raise InvalidArgument(f"tensor {entry.name} lies outside the weight buffer")
+        flat = buffer[entry.offset : entry.offset + entry.nbytes]
+        yield entry.name, flat.view(dtype_from_name(entry.dtype)).reshape(entry.shape)
 
 
 def chunk_ranges(

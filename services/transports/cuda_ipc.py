@@ -219,16 +219,7 @@ class _Attachments:
         entry = self.verified.get(version)
         if entry is None:
             raise FailedPrecondition(f"weight version {version} was not attached by this worker")
-        buffer = self.buffers[entry[0]]
-        yield (
-            (
-                t.name,
-                buffer[t.offset : t.offset + t.nbytes]
-                .view(weights.dtype_from_name(t.dtype))
-                .reshape(t.shape),
-            )
-            for t in tensors
-        )
+        yield weights.tensor_views(self.buffers[entry[0]], tensors)
 
 
 def manifest_version(spec: dict[str, Any]) -> int:
@@ -285,10 +276,7 @@ class CudaIpcTransport(WeightTransport):
         entries = weights.plan_layout(state)
         total = weights.packed_size(entries)
         buffer, export = exporter.buffer(version % 2, total, device)
-        for entry in entries:  # device-to-device copies into the staging buffer
-            if entry.nbytes:
-                source = state[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
-                buffer[entry.offset : entry.offset + entry.nbytes].copy_(source)
+        weights.pack_range(state, entries, 0, buffer[:total])  # device-to-device copies
         buckets = weights.checksum_buckets(buffer, total, ctx.bucket_bytes, ChecksumAlgorithm.wsum64)
         torch.cuda.synchronize(device)  # consumers in other processes read after this returns
         return CudaIpcPrepared(

@@ -11,9 +11,8 @@ NCCL between CUDA devices, Gloo on CPU, one code path on every machine.
     engine    each worker joins the group, receives every bucket into its own receive buffer (kept
               across versions), verifies it on its device, and loads from views of it on commit
 
-The group is a stateless torch.distributed process group (`ProcessGroupGloo` / `ProcessGroupNCCL`
-over a `PrefixStore` of the learner's `TCPStore`): it never touches a default process group, so it
-coexists with vLLM's own and with any the learner uses. It is kept across versions and rebuilt under
+The group is a stateless process group (`process_group.py`: no default group is touched, so it
+coexists with vLLM's own and with any the learner uses). It is kept across versions and rebuilt under
 a new `group_id` when its membership changes (a rollout joins, leaves or restarts) or it broke.
 
 Deadlines: joining and every bucket's broadcast time out after `deadline_seconds`; a member that
@@ -60,6 +59,7 @@ from services.transports.base import (
     WeightTransport,
     WorkerContext,
 )
+from services.transports.process_group import broadcast, close_group, member_names, open_group
 
 log = get_logger(__name__)
 _POLL_SECONDS = 0.02
@@ -76,92 +76,9 @@ class NcclDescriptor:
     backend: str  # "nccl" or "gloo"
 
 
-class JoinTimeout(TimeoutError):
-    """Some members of a weight-sync group did not join in time."""
-
-
-def open_group(
-    backend: str,
-    address: str,
-    port: int,
-    group_id: str,
-    rank: int,
-    world: int,
-    timeout_s: float,
-    names: dict[int, str] | None = None,
-) -> dist.ProcessGroup:
-    """Join group `group_id` as `rank` of `world`: blocks until every member joined, or raises
-    JoinTimeout after `timeout_s` naming the members that did not (`names`: rank → who it is)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(f"grpo/{group_id}/", store)
-    prefixed.set(f"joined/{rank}", "1")  # our own roll call, so a failure can say who is missing
-    try:
-        if backend == "gloo":
-            return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world, options)
-    except Exception as exc:
-        missing = [r for r in range(world) if not prefixed.check([f"joined/{r}"])]
-        if not missing:
-            raise
-        who = ", ".join(f"rank {r} ({(names or {}).get(r, 'learner' if r == 0 else '?')})" for r in missing)
-        raise JoinTimeout(f"group {group_id}: {who} did not join within {timeout_s:g}s") from exc
-
-
-def member_names(ranks: dict[str, int], world: int) -> dict[int, str]:
-    """rank → "rollout-id" (or "rollout-id worker k") from the first-rank map of a group."""
-    names = {0: "learner"}
-    starts = sorted((rank, rollout) for rollout, rank in ranks.items())
-    for (start, rollout), (end, _) in zip(starts, [*starts[1:], (world, "")], strict=True):
-        for rank in range(start, end):
-            names[rank] = rollout if end - start == 1 else f"{rollout} worker {rank - start}"
-    return names
-
-
-def close_group(group: dist.ProcessGroup | None) -> None:
-    """Release a group's connections (abort, so nothing waits on a dead peer)."""
-    if group is None:
-        return
-    for method in ("abort", "shutdown"):
-        if hasattr(group, method):
-            try:
-                getattr(group, method)()
-            except Exception as exc:  # a broken group may refuse; it is dropped either way
-                log.debug("closing a weight-sync group", method=method, error=str(exc))
-            return
-
-
-def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait(datetime.timedelta(seconds=timeout_s))
-
-
 def _algorithm(device: torch.device) -> ChecksumAlgorithm:
     """Checksums are computed where the bytes are: on the GPU for NCCL, on the host for Gloo."""
     return ChecksumAlgorithm.wsum64 if device.type == "cuda" else ChecksumAlgorithm.xxh3_64
-
-
-def _pack_bucket(
-    state: Mapping[str, torch.Tensor],
-    entries: list[weights.TensorEntry],
-    start: int,
-    size: int,
-    staging: torch.Tensor,
-) -> torch.Tensor:
-    """Copy the bytes of [start, start + size) of the packed layout into `staging[:size]`."""
-    out = staging[:size]
-    out.zero_()  # alignment padding between tensors
-    end = start + size
-    for entry in entries:
-        lo, hi = max(entry.offset, start), min(entry.offset + entry.nbytes, end)
-        if lo >= hi:
-            continue
-        source = state[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
-        out[lo - start : hi - start].copy_(source[lo - entry.offset : hi - entry.offset], non_blocking=True)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- learner
@@ -269,7 +186,7 @@ class NcclPrepared(Prepared):
                     )  # fmt: skip
                 staging = self.sender.staging_for(max(b.nbytes for b in self.manifest.buckets), self.device)
                 for bucket in self.manifest.buckets:
-                    data = _pack_bucket(state, self._entries, bucket.offset, bucket.nbytes, staging)
+                    data = weights.pack_range(state, self._entries, bucket.offset, staging[: bucket.nbytes])
                     broadcast(group.handle, data, timeout)
         except Exception as exc:
             group.broken = True
@@ -407,18 +324,9 @@ class _Receiver:
             raise FailedPrecondition(f"weight version {spec['version']} was not received by this worker")
         self.loading = True
         try:
-            yield _views(self.buffer, tensors)
+            yield weights.tensor_views(self.buffer, tensors)
         finally:
             self.loading = False
-
-
-def _views(buffer: torch.Tensor, tensors: list[weights.TensorEntry]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) views into a uint8 buffer on any device, laid out per the manifest."""
-    for entry in tensors:
-        if entry.offset + entry.nbytes > buffer.numel():
-            raise InvalidArgument(f"tensor {entry.name} lies outside the receive buffer")
-        flat = buffer[entry.offset : entry.offset + entry.nbytes]
-        yield entry.name, flat.view(weights.dtype_from_name(entry.dtype)).reshape(entry.shape)
 
 
 # ---------------------------------------------------------------------------------------------- transport
@@ -478,7 +386,7 @@ class NcclTransport(WeightTransport):
         staging = sender.staging_for(min(ctx.bucket_bytes, total), device)
         buckets = []
         for index, start, size in weights.bucket_ranges(total, ctx.bucket_bytes):
-            data = _pack_bucket(state, entries, start, size, staging)
+            data = weights.pack_range(state, entries, start, staging[:size])
             buckets.append(weights.BucketEntry(index, start, size, checksums.digest(algorithm, data)))
         manifest = weights.Manifest(tuple(entries), tuple(buckets), total, algorithm)
         return NcclPrepared(version, manifest, sender, group, state, entries, device)

@@ -15,8 +15,10 @@ from services.common.weights import (
     iter_tensors,
     manifest_from_proto,
     manifest_to_proto,
+    pack_range,
     packed_size,
     plan_layout,
+    tensor_views,
     verify_buckets,
 )
 
@@ -50,6 +52,30 @@ def test_pack_verify_iter_roundtrip_across_dtypes() -> None:
         assert rebuilt[name].dtype == tensor.dtype, name
         assert rebuilt[name].shape == tensor.shape, name
         assert torch.equal(rebuilt[name], tensor), name
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 100, 128, 1 << 20])
+def test_pack_range_tiles_the_same_bytes_as_pack_into(bucket_bytes: int) -> None:
+    # the collective transports pack bucket by bucket into a reused tensor; any tiling, even one that
+    # cuts tensors mid-way, must reproduce the host packing byte for byte (padding zeroed)
+    state = _state()
+    expected, manifest = _pack(state, bucket_bytes=bucket_bytes)
+    entries = list(manifest.tensors)
+    staging = torch.full((bucket_bytes,), 0xAB, dtype=torch.uint8)  # dirty: padding must be re-zeroed
+    got = bytearray()
+    for start in range(0, manifest.total_bytes, bucket_bytes):
+        size = min(bucket_bytes, manifest.total_bytes - start)
+        got += pack_range(state, entries, start, staging[:size]).numpy().tobytes()
+    assert got == expected
+    views = dict(tensor_views(torch.frombuffer(bytearray(got), dtype=torch.uint8), entries))
+    for name, tensor in state.items():
+        assert torch.equal(views[name], tensor), name
+
+
+def test_tensor_views_reject_a_short_buffer() -> None:
+    _, manifest = _pack(_state(), bucket_bytes=128)
+    with pytest.raises(InvalidArgument, match="outside the weight buffer"):
+        list(tensor_views(torch.zeros(manifest.total_bytes - 64, dtype=torch.uint8), manifest.tensors))
 
 
 def test_checksum_mismatch_names_the_bucket() -> None:

@@ -106,6 +106,15 @@ class RolloutEngine(abc.ABC):
         """Run weight transport `kind`'s worker operation `op` in every process that holds the model
         (each vLLM worker; the transformers engine's own process) and return each one's reply."""
 
+    @abc.abstractmethod
+    async def own_weights(self) -> None:
+        """Make the loaded weights this engine's own memory if they are views of someone else's.
+
+        After a zero-copy load (cuda_ipc) the parameters ARE the learner's staging buffer, which the
+        learner rewrites two versions later; a rollout dropped from the next sync calls this so it
+        never generates on bytes that change under it. Engines that always copy have nothing to do.
+        """
+
     @property
     @abc.abstractmethod
     def weight_workers(self) -> int:

@@ -90,6 +90,7 @@ class HfEngine(RolloutEngine):
         self._tokenizer: Any = None
         self._eos: set[int] = set()
         self._version = 0
+        self._borrowed = False  # parameters are views of the learner's buffer (zero-copy cuda_ipc)
         self._max_model_len = settings.max_model_len
         self._generator = torch.Generator().manual_seed(settings.seed)
         self._worker: WorkerContext | None = None  # this process, as weight transports see it
@@ -297,10 +298,27 @@ class HfEngine(RolloutEngine):
                 t.dtype == current[n].dtype and t.device == current[n].device for n, t in state.items()
             )
             self._model.load_state_dict(state, strict=True, assign=adopt)
+        self._borrowed = adopt
         if adopt and self._worker.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced parameters' memory goes back: no second copy held
         self._version = version
         return (time.perf_counter() - started) * 1e3
+
+    def _own(self) -> None:
+        """Copy borrowed parameters into memory of our own (tensors that shared storage still do)."""
+        if not self._borrowed:
+            return
+        copies: dict[tuple, torch.Tensor] = {}
+        state = {}
+        for name, tensor in self._model.state_dict().items():
+            key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+            state[name] = copies.setdefault(key, tensor.detach().clone())
+        self._model.load_state_dict(state, strict=True, assign=True)
+        self._borrowed = False
+        log.info("weights copied out of the learner's buffer", version=self._version)
+
+    async def own_weights(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._own)
 
     async def load_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> LoadTimings:
         requested = time.perf_counter()

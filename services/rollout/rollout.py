@@ -238,8 +238,13 @@ class Rollout:
             return CommitResult(version, timings)
 
     async def abort_weights(self, version: int) -> None:
+        """Drop a staged `version` this rollout will not commit. The loaded weights stay, made our
+        own first if they are views of the learner's buffer: the learner reuses that buffer for the
+        version after `version`, and this rollout keeps generating until it is synced again."""
         if await self._stager.abort(version):
             log.info("staged weights dropped", version=version)
+        async with self._commit_lock:
+            await self._engine.own_weights()
 
     def state(self) -> RolloutState:
         return RolloutState(

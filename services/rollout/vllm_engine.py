@@ -209,6 +209,9 @@ class VllmEngine(RolloutEngine):
         rest = await asyncio.gather(*(one(j) for j in range(start, len(ids) - 1)))
         return [*rest, last]
 
+    async def own_weights(self) -> None:
+        """Nothing to do: vLLM's loader always copies into the engine's own parameters."""
+
     async def load_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> LoadTimings:
         # Plain data only: vLLM's msgpack RPC carries no dtypes objects and no pickle.
         kwargs = {

@@ -3,7 +3,8 @@
     learner   two staging buffers on its GPU, allocated and exported ONCE (a CUDA IPC handle each,
               from `torch.multiprocessing.reductions.reduce_tensor`), double-buffered: version v is
               packed into buffer v % 2, so the buffer the rollouts read (v - 1) is rewritten only by
-              v + 1, after every rollout committed v. Checksums are computed on the GPU (wsum64).
+              v + 1, after every rollout committed v (a rollout dropped from a sync copies its weights
+              out first: `RolloutEngine.own_weights`). Checksums are computed on the GPU (wsum64).
     rollout   every engine worker (each its own process) checks the export against its own device
               (by GPU UUID) and the manifest against the export (dtypes, shapes, byte ranges) before
               touching anything, opens each handle ONCE per process (cached), and verifies the

@@ -91,3 +91,45 @@ async def test_context_length_defaults_to_the_models_own_limit(tiny_model_dir: P
     with pytest.raises(FailedPrecondition, match="exceeds the model's 512 positions"):
         await too_long.start()
     await too_long.stop()
+
+
+async def test_borrowed_weights_are_copied_out_before_the_lender_reuses_its_buffer(
+    engine: HfEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cuda_ipc's zero-copy load makes the parameters views of the learner's staging buffer, which the
+    # learner rewrites two versions later. cuda_ipc needs a GPU, so here the engine's real adopt path
+    # gets views of a CPU "lender" buffer (same dtype and device as the model, as cuda_ipc guarantees):
+    # writes to it show through until own_weights() copies the weights out.
+    from contextlib import contextmanager
+
+    from services.common import weights
+    from services.rollout import hf_engine
+    from services.transports import LoadPlan, TransportKind
+
+    state = {k: v.detach().clone() for k, v in engine._model.state_dict().items()}
+    entries = weights.plan_layout(state)
+    lender = torch.zeros(weights.packed_size(entries), dtype=torch.uint8)
+    weights.pack_range(state, entries, 0, lender)
+    manifest = weights.build_manifest(state, memoryview(lender.numpy()))
+
+    @contextmanager
+    def lend(plan, tensors, worker):
+        yield weights.tensor_views(lender, tensors)
+
+    monkeypatch.setattr(hf_engine, "open_tensors", lend)
+    plan = LoadPlan(TransportKind.cuda_ipc, {"version": 1, "zero_copy": True})
+    await engine.load_weights(plan, manifest, version=1)
+    entry = next(e for e in manifest.tensors if e.name.endswith("q_proj.weight"))
+    first = lender[entry.offset : entry.offset + 4].view(torch.float32)
+    live = lambda: engine._model.state_dict()[entry.name].flatten()[0].item()  # noqa: E731
+    first[0] = 123.0  # the learner packing version 3 into the same buffer
+    assert live() == 123.0  # borrowed: the rollout's weights changed under it
+
+    await engine.own_weights()
+    first[0] = -7.0
+    assert live() == 123.0  # its own copy now
+    for key, tensor in engine._model.state_dict().items():
+        if key != entry.name:
+            assert torch.equal(tensor, state[key]), key
+    await engine.own_weights()  # idempotent: nothing borrowed any more
+    assert live() == 123.0

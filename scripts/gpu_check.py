@@ -13,6 +13,8 @@
 The report goes to stdout and, where $OUT is set (the device tool), to $OUT/gpu_check.json.
 
     python scripts/gpu_check.py [--syncs 100] [--dtypes bfloat16 float32]
+    python scripts/gpu_check.py --cpu-rehearsal   # the same two-process flow on CPU, over
+                                                  # shared_memory with a small model: checks the script
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +48,8 @@ QWEN25_05B = dict(  # Qwen2.5-0.5B's shape (config.json of the released model), 
 
 def gpu_memory_mib() -> dict[int, int]:
     """pid → MiB of GPU memory used, from nvidia-smi (what the driver sees: every process)."""
+    if shutil.which("nvidia-smi") is None:
+        return {}
     out = subprocess.run(
         ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
         capture_output=True, text=True, check=False,
@@ -56,13 +61,19 @@ def gpu_memory_mib() -> dict[int, int]:
     return usage
 
 
-def build_model(directory: Path) -> int:
+REHEARSAL_SHAPE = {  # the same architecture, small enough for a CPU rehearsal
+    **QWEN25_05B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "max_position_embeddings": 1024,
+}  # fmt: skip
+
+
+def build_model(directory: Path, shape: dict = QWEN25_05B) -> int:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from services.launch.tiny_model import build_tokenizer
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B, torch_dtype="float32"))
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, torch_dtype="float32"))
     model.save_pretrained(directory, safe_serialization=True)
     build_tokenizer().save_pretrained(directory)
     return sum(p.numel() for p in model.parameters())
@@ -103,17 +114,23 @@ def batch(step: int, vocab: int) -> types_pb2.TrainBatch:
     return out
 
 
-def cuda_ipc_check(model_dir: Path, params: int, dtype: str, syncs: int, work: Path) -> dict:
-    """Learner + transformers rollout as two processes on one GPU, synced over cuda_ipc `syncs` times."""
+def cuda_ipc_check(
+    model_dir: Path, params: int, dtype: str, syncs: int, work: Path, device: str = "cuda"
+) -> dict:
+    """Learner + transformers rollout as two processes on one GPU, synced over cuda_ipc `syncs` times
+    (`device="cpu"`: the rehearsal, over shared_memory)."""
     model_mib = params * (2 if dtype == "bfloat16" else 4) / 2**20
+    kind = types_pb2.WEIGHT_TRANSPORT_KIND_CUDA_IPC
+    if device == "cpu":
+        kind = types_pb2.WEIGHT_TRANSPORT_KIND_SHARED_MEMORY
     learner = start(
-        ["services.learner", "--model", str(model_dir), "--device", "cuda", "--dtype", dtype,
+        ["services.learner", "--model", str(model_dir), "--device", device, "--dtype", dtype,
          "--publish.export-dtype", dtype, "--optim.lr", "1e-6"],
         work / f"learner-{dtype}.port", work / f"learner-{dtype}.log",
     )  # fmt: skip
     rollout = start(
         ["services.rollout", "--model", str(model_dir), "--engine", "transformers", "--dtype", dtype,
-         "--hf.device", "cuda", "--max-model-len", "512", "--rollout-id", "gpu-check"],
+         "--hf.device", device, "--max-model-len", "512", "--rollout-id", "gpu-check"],
         work / f"rollout-{dtype}.port", work / f"rollout-{dtype}.log",
     )  # fmt: skip
     try:
@@ -130,7 +147,7 @@ def cuda_ipc_check(model_dir: Path, params: int, dtype: str, syncs: int, work: P
             learner_stub.TrainStep(learner_pb2.TrainStepRequest(batch=batch(step, 384)), timeout=600)
             started = time.perf_counter()
             prepared = learner_stub.PrepareWeights(
-                learner_pb2.PrepareWeightsRequest(transport=types_pb2.WEIGHT_TRANSPORT_KIND_CUDA_IPC),
+                learner_pb2.PrepareWeightsRequest(transport=kind),
                 timeout=600,
             ).weight_version
             t_prepare = time.perf_counter()
@@ -187,13 +204,30 @@ def cuda_ipc_check(model_dir: Path, params: int, dtype: str, syncs: int, work: P
                 proc.kill()
 
 
+def rehearse() -> int:
+    """The two-process flow on CPU: everything but CUDA (GPU memory reads as 0 without nvidia-smi)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        params = build_model(work / "model", REHEARSAL_SHAPE)
+        result = cuda_ipc_check(work / "model", params, "float32", 3, work, device="cpu")
+    print(json.dumps(result, indent=2))
+    return 0 if result["alignment_ok"] else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--syncs", type=int, default=100)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument(
+        "--cpu-rehearsal",
+        action="store_true",
+        help="run the two-process flow on CPU (shared_memory, small model, 3 syncs) to check this script",
+    )
     args = parser.parse_args()
+    if args.cpu_rehearsal:
+        return rehearse()
     report: dict = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -63,7 +63,8 @@ class DemoSettings(BaseSettings):
     warmup_steps: int = Field(default=30, ge=0, description="Learner linear LR warmup steps.")
     lora_rank: int = Field(default=0, ge=0, description="LoRA rank; 0 = full fine-tune.")
     transport: ImplementedTransport = Field(
-        default=TransportKind.grpc_stream, description="Weight transport (grpc_stream or shared_memory)."
+        default=TransportKind.grpc_stream,
+        description="Weight transport: grpc_stream, shared_memory, nccl (Gloo on CPU); cuda_ipc needs a GPU.",
     )
     group_size: int = Field(default=8, ge=2, description="Completions per prompt.")
     groups_per_batch: int = Field(default=16, ge=1, description="Prompt groups per step.")

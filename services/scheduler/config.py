@@ -67,7 +67,10 @@ class SchedulerSettings(ServiceSettings):
     )
     weight_transport: ImplementedTransport = Field(
         default=TransportKind.grpc_stream,
-        description="How rollouts receive new weights: grpc_stream (anywhere) or shared_memory (same host).",
+        description=(
+            "How rollouts receive new weights: grpc_stream (anywhere), shared_memory (same host), "
+            "nccl (a broadcast group; Gloo on CPU) or cuda_ipc (the learner's GPU)."
+        ),
     )
     alignment_threshold: float = Field(
         default=1e-3,

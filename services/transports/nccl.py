@@ -74,6 +74,7 @@ class NcclDescriptor:
     group_id: str
     deadline_seconds: float
     backend: str  # "nccl" or "gloo"
+    broadcast_id: str  # this one PrepareWeights' broadcast (a version may be broadcast again)
 
 
 def _algorithm(device: torch.device) -> ChecksumAlgorithm:
@@ -150,6 +151,7 @@ class NcclPrepared(Prepared):
         self.sender, self.group, self.device = sender, group, device
         self._state: Mapping[str, torch.Tensor] | None = state
         self._entries = entries
+        self.broadcast_id = uuid.uuid4().hex[:12]
         self.error = ""
 
     @property
@@ -163,6 +165,7 @@ class NcclPrepared(Prepared):
             group.group_id,
             self.sender.timeout_s,
             group.backend,
+            self.broadcast_id,
         )
 
     def view(self) -> memoryview:
@@ -213,7 +216,7 @@ class NcclPrepared(Prepared):
 @dataclass
 class _Receipt:
     version: int
-    group_id: str
+    broadcast_id: str
     status: str = "receiving"  # receiving | done | failed
     kind: str = ""  # failure kind: deadline | data_loss | unavailable
     error: str = ""
@@ -234,10 +237,9 @@ class _Receiver:
     def start(self, spec: dict[str, Any], worker: WorkerContext) -> dict[str, Any]:
         with self.lock:
             receipt = self.receipt
-            key = (spec["version"], spec["group_id"])
             if (
                 receipt is not None
-                and (receipt.version, receipt.group_id) == key
+                and receipt.broadcast_id == spec["broadcast_id"]
                 and receipt.status != "failed"
             ):
                 return {"started": False}  # a retried StageWeights: the same receipt answers polls
@@ -247,16 +249,16 @@ class _Receiver:
                 )
             if self.loading:
                 raise FailedPrecondition("a weight load from the receive buffer is in progress")
-            self.receipt = _Receipt(spec["version"], spec["group_id"])
+            self.receipt = _Receipt(spec["version"], spec["broadcast_id"])
             self.thread = threading.Thread(
                 target=self._receive, args=(spec, worker, self.receipt), name="grpo-nccl-receive", daemon=True
             )
             self.thread.start()
         return {"started": True}
 
-    def poll(self, version: int) -> dict[str, Any]:
+    def poll(self, version: int, broadcast_id: str) -> dict[str, Any]:
         receipt = self.receipt
-        if receipt is None or receipt.version != version:
+        if receipt is None or receipt.broadcast_id != broadcast_id:
             return {
                 "status": "failed",
                 "kind": "unavailable",
@@ -317,7 +319,7 @@ class _Receiver:
         receipt = self.receipt
         if (
             receipt is None
-            or receipt.version != spec["version"]
+            or receipt.broadcast_id != spec["broadcast_id"]
             or receipt.status != "done"
             or self.buffer is None
         ):
@@ -335,13 +337,13 @@ class _Receiver:
 class CollectiveStaged(Staged):
     """A version every worker of this rollout received and verified; the bytes stay in the workers."""
 
-    def __init__(self, version: int, manifest: weights.Manifest, fetch_ms: float, group_id: str) -> None:
+    def __init__(self, version: int, manifest: weights.Manifest, fetch_ms: float, broadcast_id: str) -> None:
         super().__init__(version, manifest, fetch_ms)
-        self.group_id = group_id
+        self.broadcast_id = broadcast_id
 
     @property
     def plan(self) -> LoadPlan:
-        return LoadPlan(TransportKind.nccl, {"version": self.version, "group_id": self.group_id})
+        return LoadPlan(TransportKind.nccl, {"version": self.version, "broadcast_id": self.broadcast_id})
 
     def release(self) -> None:
         """Nothing to free: each worker's receive buffer is reused by the next version."""
@@ -402,15 +404,17 @@ class NcclTransport(WeightTransport):
         )
         field.ranks.update(d.ranks)
         field.group_id, field.deadline_seconds, field.backend = d.group_id, d.deadline_seconds, d.backend
+        field.broadcast_id = d.broadcast_id
 
     # ---- rollout half
     def read_descriptor(self, message: types_pb2.WeightVersion) -> NcclDescriptor:
         field = message.nccl
         if not field.master_address or not field.master_port:
             raise InvalidArgument("weight_version.nccl needs master_address and master_port")
-        if not field.group_id or field.backend not in ("nccl", "gloo"):
+        if not field.group_id or not field.broadcast_id or field.backend not in ("nccl", "gloo"):
             raise InvalidArgument(
-                f"weight_version.nccl needs a group_id and backend nccl|gloo, got {field.backend!r}"
+                "weight_version.nccl needs a group_id, a broadcast_id and backend nccl|gloo, "
+                f"got {field.backend!r}"
             )
         if not field.deadline_seconds > 0:
             raise InvalidArgument("weight_version.nccl.deadline_seconds must be > 0")
@@ -419,7 +423,7 @@ class NcclTransport(WeightTransport):
             raise InvalidArgument(f"weight_version.nccl ranks {ranks} must lie in [1, {field.world_size})")
         return NcclDescriptor(
             field.master_address, field.master_port, field.world_size, ranks, field.group_id,
-            field.deadline_seconds, field.backend,
+            field.deadline_seconds, field.backend, field.broadcast_id,
         )  # fmt: skip
 
     async def stage(self, target: StageTarget, ctx: StageContext) -> Staged:
@@ -433,6 +437,7 @@ class NcclTransport(WeightTransport):
         started = time.perf_counter()
         spec = {
             "version": target.version,
+            "broadcast_id": d.broadcast_id,
             "group_id": d.group_id,
             "backend": d.backend,
             "master_address": d.master_address,
@@ -449,7 +454,9 @@ class NcclTransport(WeightTransport):
         # joining + every bucket each have the deadline; a little slack for the workers' own timeouts
         limit = started + d.deadline_seconds * (len(target.manifest.buckets) + 1) + 5.0
         while True:
-            replies = await ctx.workers.call_workers(self.kind, "poll", {"version": target.version})
+            replies = await ctx.workers.call_workers(
+                self.kind, "poll", {"version": target.version, "broadcast_id": d.broadcast_id}
+            )
             failed = [r for r in replies if r["status"] == "failed"]
             if failed:
                 first = failed[0]
@@ -464,7 +471,7 @@ class NcclTransport(WeightTransport):
                 )
             await asyncio.sleep(_POLL_SECONDS)
         return CollectiveStaged(
-            target.version, target.manifest, (time.perf_counter() - started) * 1e3, d.group_id
+            target.version, target.manifest, (time.perf_counter() - started) * 1e3, d.broadcast_id
         )
 
     # ---- engine half
@@ -473,7 +480,7 @@ class NcclTransport(WeightTransport):
         if op == "receive":
             return receiver.start(spec, worker)
         if op == "poll":
-            return receiver.poll(int(spec["version"]))
+            return receiver.poll(int(spec["version"]), spec["broadcast_id"])
         raise InvalidArgument(f"unknown nccl worker operation {op!r}")
 
     def open_tensors(

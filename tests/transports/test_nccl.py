@@ -106,6 +106,21 @@ async def test_versions_reach_every_worker_of_every_rollout_and_the_group_is_kep
     assert all(not isinstance(s, BaseException) for s in staged), staged
 
 
+async def test_a_version_prepared_again_is_broadcast_again_not_answered_from_the_last_receipt() -> None:
+    # A re-sync of the version the rollouts already hold (no train step in between) is a new
+    # PrepareWeights: a new broadcast the learner will send, so every worker must receive it again.
+    ctx = _ctx()
+    rollouts = {"a": ThreadWorkers(1)}
+    state = _state()
+    first, target, _ = await _sync(ctx, state, 7, rollouts)
+    changed = {name: t * 2 for name, t in state.items()}  # the learner's bytes could differ
+    second, target2, staged = await _sync(ctx, changed, 7, rollouts)
+    assert target2.descriptor.group_id == target.descriptor.group_id  # same group
+    assert target2.descriptor.broadcast_id != target.descriptor.broadcast_id
+    assert not first.error and not second.error, (first.error, second.error)
+    assert torch.equal(rollouts["a"].load(staged[0])["lm_head.weight"], changed["lm_head.weight"])
+
+
 async def test_a_member_that_never_joins_fails_the_version_in_time_and_the_group_is_rebuilt() -> None:
     ctx = _ctx(timeout=2.0)
     state = _state()
@@ -145,7 +160,11 @@ async def test_a_corrupted_bucket_is_data_loss_and_nothing_is_loadable() -> None
     with (
         pytest.raises(FailedPrecondition, match="was not received"),
         transports.open_tensors(
-            transports.LoadPlan(TransportKind.nccl, {"version": 1}), [], worker.workers[0]
+            transports.LoadPlan(
+                TransportKind.nccl, {"version": 1, "broadcast_id": target.descriptor.broadcast_id}
+            ),
+            [],
+            worker.workers[0],
         ),
     ):
         pass
@@ -161,6 +180,9 @@ def test_bad_requests_are_refused_precisely() -> None:
     prepared.close()
     message.nccl.ranks["a"] = 7  # outside [1, world_size)
     with pytest.raises(InvalidArgument, match="must lie in"):
+        transports.target_from_proto(message)
+    message.nccl.ranks["a"], message.nccl.broadcast_id = 1, ""
+    with pytest.raises(InvalidArgument, match="needs a group_id, a broadcast_id"):
         transports.target_from_proto(message)
     with pytest.raises(FailedPrecondition, match="not a member"):
         asyncio.run(

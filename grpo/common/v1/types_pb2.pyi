@@ -270,7 +270,7 @@ class CudaIpcTransport(_message.Message):
     def __init__(self, buckets: _Optional[_Iterable[_Union[CudaIpcBucket, _Mapping]]] = ...) -> None: ...
 
 class NcclTransport(_message.Message):
-    __slots__ = ("master_address", "master_port", "world_size", "ranks", "group_id", "deadline_seconds", "backend")
+    __slots__ = ("master_address", "master_port", "world_size", "ranks", "group_id", "deadline_seconds", "backend", "broadcast_id")
     class RanksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +285,7 @@ class NcclTransport(_message.Message):
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_ID_FIELD_NUMBER: _ClassVar[int]
     master_address: str
     master_port: int
     world_size: int
@@ -292,7 +293,8 @@ class NcclTransport(_message.Message):
     group_id: str
     deadline_seconds: float
     backend: str
-    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Mapping[str, int]] = ..., group_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., backend: _Optional[str] = ...) -> None: ...
+    broadcast_id: str
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Mapping[str, int]] = ..., group_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., backend: _Optional[str] = ..., broadcast_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointTransport(_message.Message):
     __slots__ = ("path",)

@@ -9,7 +9,7 @@ which calls each transport's rollout half in `services/transports/`, with the en
 in this process) fetches, receives or attaches them and verifies their checksums. Reports prepare
 (learner: pack + checksum) and stage (fetch/receive/attach + verify) times and bandwidth. Loading
 into an engine is not included (it does not depend on the transport). cuda_ipc needs a GPU
-(`--device cuda`); nccl runs over Gloo on CPU, NCCL on a GPU.
+(`--device cuda`); nccl runs over Gloo on CPU, and over NCCL from GPU 0 to GPU 1 where there are two.
 
     .venv/bin/python bench/weight_transport.py --hidden 512 --layers 8 --repeats 3
 """
@@ -88,7 +88,8 @@ async def measure(model_dir: Path, repeats: int, device: str) -> dict[str, dict]
     running = await start_server(app, settings)
     channel = open_channel(running.address)
     learner = learner_pb2_grpc.LearnerServiceStub(channel)
-    workers = InProcessWorkers(torch.device(device))
+    # NCCL allows one rank per GPU: over NCCL the receiving worker sits on a second GPU
+    nccl_device = "cpu" if device == "cpu" else ("cuda:1" if torch.cuda.device_count() > 1 else None)
     receivers = [learner_pb2.WeightReceiver(rollout_id="bench", instance_id="bench", workers=1)]
     results: dict[str, dict] = {}
     try:
@@ -96,6 +97,10 @@ async def measure(model_dir: Path, repeats: int, device: str) -> dict[str, dict]
             if name == "cuda_ipc" and device != "cuda":
                 results[name] = {"skipped": "needs the learner and the rollout on one CUDA GPU"}
                 continue
+            if name == "nccl" and nccl_device is None:
+                results[name] = {"skipped": "NCCL needs a second GPU (one rank per device)"}
+                continue
+            workers = InProcessWorkers(torch.device(nccl_device if name == "nccl" else device))
             rows = results[name] = {"prepare_ms": [], "stage_ms": [], "bytes": []}
             for _ in range(repeats):
                 t0 = time.perf_counter()

@@ -8,7 +8,10 @@
        GPU memory per process before and after all syncs (a leak shows as growth), and zero-copy
        attach (the rollout's own memory drops by about the model's size once it adopts the learner's
        buffer: it holds no second copy)
-    3. nccl across GPUs needs two GPUs: reported as skipped on one
+    3. the weight-transport benchmark on the GPU (`bench/weight_transport.py --device cuda`, with
+       Qwen2.5-0.5B's width, depth and vocabulary): every transport against grpc_stream and its
+       medium's copy (cuda_ipc against a device-to-device copy; nccl from GPU 0 to GPU 1 where there
+       are two, else skipped)
 
 The report goes to stdout and, where $OUT is set (the device tool), to $OUT/gpu_check.json.
 
@@ -253,17 +256,26 @@ def main() -> int:
                 report["cuda_ipc"].append(cuda_ipc_check(work / "model", params, dtype, args.syncs, work))
             except Exception as exc:  # one failing section must not hide the others
                 report["cuda_ipc"].append({"dtype": dtype, "error": f"{type(exc).__name__}: {exc}"[:4000]})
-    report["nccl"] = (
-        "skipped: needs two GPUs (learner and rollout on different devices)"
-        if torch.cuda.device_count() < 2
-        else "not run by this script"
-    )
+    bench = subprocess.run(
+        [sys.executable, "bench/weight_transport.py", "--device", "cuda", "--repeats", "3",
+         "--hidden", str(QWEN25_05B["hidden_size"]), "--layers", str(QWEN25_05B["num_hidden_layers"]),
+         "--vocab", str(QWEN25_05B["vocab_size"])],
+        cwd=ROOT, capture_output=True, text=True, check=False, timeout=900,
+    )  # fmt: skip
+    lines = bench.stdout.strip().splitlines()
+    start_at = next((i for i, line in enumerate(lines) if line.startswith("model:")), len(lines))
+    report["benchmark"] = {"exit_code": bench.returncode, "table": lines[start_at:] or bench.stderr[-2000:]}
     text = json.dumps(report, indent=2)
     print(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.json").write_text(text)
-    ok = report["gpu_tests"]["exit_code"] == 0 and all(
-        r.get("alignment_ok") and r.get("no_leak") and r.get("zero_copy_attach") for r in report["cuda_ipc"]
+    ok = (
+        report["gpu_tests"]["exit_code"] == 0
+        and report["benchmark"]["exit_code"] == 0
+        and all(
+            r.get("alignment_ok") and r.get("no_leak") and r.get("zero_copy_attach")
+            for r in report["cuda_ipc"]
+        )
     )
     return 0 if ok else 1
 

@@ -283,6 +283,7 @@ async def _check_sync_errors(server: Running, learner: WeightsServer, state) -> 
     nccl = Packed(state).weight_version(4)
     nccl.nccl.master_address, nccl.nccl.master_port, nccl.nccl.world_size = "127.0.0.1", 1, 2
     nccl.nccl.group_id, nccl.nccl.backend, nccl.nccl.deadline_seconds = "g", "gloo", 1.0
+    nccl.nccl.broadcast_id = "b"
     nccl.nccl.ranks["someone-else"] = 1
     cases.append((nccl, grpc.StatusCode.FAILED_PRECONDITION, "is not a member of weight-sync group g"))
     for wv, code, needle in cases:

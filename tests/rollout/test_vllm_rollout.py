@@ -193,25 +193,32 @@ async def test_vllm_commit_during_generation_splits_spans_consistently(
             perturbed_state(reference_model, seed=22),
         )
         models = {version: model_with_state(reference_model, old_state)}
-        models[version + 1] = model_with_state(reference_model, new_state)
         await stage_shared_memory(stub, Packed(old_state), version)
-        started = time.monotonic()  # how long such a generation takes here, to commit a third into it
+        started = time.monotonic()  # how long such a generation takes here, to commit inside one
         await generate(stub, "1+2+3=", n=4, temperature=1.0, max_tokens=400)
         duration = time.monotonic() - started
-        running = None
+        # The commit must land while samples are still running. On a loaded machine one guess of
+        # when can miss; each retry commits a further version earlier into a new generation.
+        for attempt, fraction in enumerate((1 / 3, 1 / 6, 1 / 12)):
+            current = version + 1 + attempt
+            state = new_state if attempt % 2 == 0 else old_state
+            models[current] = model_with_state(reference_model, state)
+            running = None
 
-        async def start_generation_and_wait_until_in_flight() -> None:
-            nonlocal running  # v+1 is staged already: the commit alone lands mid-generation
-            running = asyncio.ensure_future(generate(stub, "1+2+3=", n=4, temperature=1.0, max_tokens=400))
-            await asyncio.sleep(duration / 3)
+            async def start_generation_and_wait_until_in_flight(fraction: float = fraction) -> None:
+                nonlocal running  # the next version is staged already: the commit alone lands mid-way
+                running = asyncio.ensure_future(
+                    generate(stub, "1+2+3=", n=4, temperature=1.0, max_tokens=400)
+                )
+                await asyncio.sleep(duration * fraction)
 
-        await stage_shared_memory(
-            stub, Packed(new_state), version + 1, start_generation_and_wait_until_in_flight
-        )
-        completions = await running
-        assert len(completions) == 4
-        spanning = sum(len(c.version_spans) > 1 for c in completions)
-        print(f"completions spanning two versions: {spanning} of 4")
+            await stage_shared_memory(stub, Packed(state), current, start_generation_and_wait_until_in_flight)
+            completions = await running
+            assert len(completions) == 4
+            spanning = sum(len(c.version_spans) > 1 for c in completions)
+            print(f"commit at {fraction:.2f} of a generation: {spanning} of 4 completions span two versions")
+            if spanning:
+                break
         assert spanning, (
             "the commit landed after every sample had finished: nothing tested the in-flight update"
         )

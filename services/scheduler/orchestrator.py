@@ -309,12 +309,16 @@ class Orchestrator:
             self.staleness_seen.extend(staleness)
             async with self.syncer.lock:
                 self.version, self.step = result.weight_version, result.step
-                sync = await self.syncer.sync(self.pool.healthy())
+                # a health round may have caught some up to this version while we trained: never
+                # stage a version on a rollout that holds it (for nccl it would not join the broadcast)
+                behind = [h for h in self.pool.healthy() if h.version != self.version or h.needs_sync]
+                sync = await self.syncer.sync(behind) if behind else SyncResult.nothing(self.version)
+                holding = sum(h.version == self.version and not h.needs_sync for h in self.pool.healthy())
                 self.last_alignment = await self._check_alignment(
                     [h for h in self.pool.healthy() if h.version == self.version]
                 )
             await self.pool.notify()
-            record = self._step_record(groups, staleness, result, sync, train_ms)
+            record = self._step_record(groups, staleness, result, sync, train_ms, holding)
             if cfg.eval_every and self.step % cfg.eval_every == 0:
                 record.update(await self.evaluator.run(self.version))
             assert self._metrics is not None
@@ -335,6 +339,7 @@ class Orchestrator:
         result: StepResult,
         sync: SyncResult,
         train_ms: float,
+        holding: int,
     ) -> dict:
         rewards = [r for g in groups for r in g.rewards]
         return {
@@ -357,7 +362,7 @@ class Orchestrator:
             "behaviour_versions": sorted(
                 {sp.version for g in groups for c in g.completions for sp in c.version_spans}
             ),
-            "rollouts_synced": len(sync.synced),
+            "rollouts_synced": holding,  # healthy rollouts on this version after the step's sync
             **{f"learner/{k}": v for k, v in result.metrics.items()},
         }
 

@@ -43,6 +43,11 @@ class SyncResult:
     commit_ms: float
     total_ms: float
 
+    @classmethod
+    def nothing(cls, version: int) -> SyncResult:
+        """No rollout needed `version`: every healthy one holds it already."""
+        return cls(version, [], 0.0, 0.0, 0.0, 0.0)
+
 
 class WeightSyncer:
     def __init__(self, learner: LearnerClient, pool: RolloutPool, transport: TransportKind) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo.common.v1 import types_pb2
-from services.common.errors import FailedPrecondition, GrpoError, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, GrpoError, Unavailable
 from services.scheduler.clients import (
     Batch,
     LearnerInfo,
@@ -178,6 +178,8 @@ class FakeRollout:
         self._check_alive()
         if self.fail_stage:
             raise self.fail_stage.pop(0)
+        if weights.version <= self.version:  # as the real rollout refuses it
+            raise Aborted(f"weight version {weights.version} is not newer than the loaded {self.version}")
         self.staged = weights.version
 
     async def commit(self, version: int) -> int:

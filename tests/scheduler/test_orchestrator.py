@@ -133,6 +133,29 @@ async def test_a_stage_failure_drops_only_that_rollout_from_the_sync(tmp_path: P
     assert flaky.commits == [2, 3, 4] and c.rollouts["r0"].commits == [1, 2, 3, 4]
 
 
+async def test_a_rollout_caught_up_while_the_learner_trains_is_not_staged_that_version_again(
+    tmp_path: Path,
+) -> None:
+    # r1 fails the first sync (needs_sync); a health round during the next train step catches it up
+    # to the learner's NEW version. The step's own sync must then leave r1 alone: staging a version
+    # a rollout holds is refused, and over nccl the refusal stalls the whole group's broadcast.
+    flaky = FakeRollout("r1", fail_stage=[InvalidArgument("bad manifest")])
+    c = cluster(tmp_path, FakeRollout("r0"), flaky, max_steps=3)
+    train_step = c.learner.train_step
+
+    async def train_while_a_health_round_runs(batch):
+        result = await train_step(batch)
+        await c.orchestrator.catch_up()  # the health monitor, between the step and its sync
+        return result
+
+    c.learner.train_step = train_while_a_health_round_runs
+    await c.run()
+    assert c.orchestrator.finished and not c.orchestrator.error
+    assert flaky.aborts == [1]  # only the injected failure: no "not newer" refusals
+    assert flaky.commits == [2, 3] and c.rollouts["r0"].commits == [1, 2, 3]
+    assert [r["rollouts_synced"] for r in _rows(tmp_path)] == [1, 2, 2]
+
+
 @pytest.mark.parametrize("action", ["fail", "warn"])
 async def test_alignment_beyond_the_threshold_fails_or_warns(tmp_path: Path, action: str) -> None:
     c = cluster(tmp_path, FakeRollout("r0", logprob_offset=0.01), alignment_action=action)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -183,6 +184,23 @@ def chunk_ranges(
         end = bucket.offset + bucket.nbytes
         for start in range(bucket.offset, end, chunk_bytes):
             yield bucket.index, start, min(chunk_bytes, end - start)
+
+
+def manifest_to_plain(manifest: Manifest) -> dict[str, Any]:
+    """The manifest as plain data (lists, ints, strings) for worker RPCs, which carry no dataclasses."""
+    return {
+        "algorithm": manifest.algorithm.value,
+        "total_bytes": manifest.total_bytes,
+        "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in manifest.tensors],
+        "buckets": [[b.index, b.offset, b.nbytes, b.digest] for b in manifest.buckets],
+    }
+
+
+def manifest_from_plain(plain: dict[str, Any]) -> Manifest:
+    """The inverse of `manifest_to_plain` (other keys of `plain` are ignored)."""
+    tensors = tuple(TensorEntry(n, d, tuple(s), o, b) for n, d, s, o, b in plain["tensors"])
+    buckets = tuple(BucketEntry(i, o, n, d) for i, o, n, d in plain["buckets"])
+    return Manifest(tensors, buckets, int(plain["total_bytes"]), ChecksumAlgorithm(plain["algorithm"]))
 
 
 def manifest_to_proto(manifest: Manifest, message: types_pb2.WeightVersion) -> None:

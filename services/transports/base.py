@@ -162,8 +162,6 @@ class WeightTransport(abc.ABC):
     # True: `prepare` gets the model's own tensors (no snapshot copy) and must be done reading them
     # when `publish` returns. False: it gets a CPU snapshot it may keep.
     live_state: ClassVar[bool] = False
-    # True: receivers join a group and must be named to `prepare` (`receivers`).
-    collective: ClassVar[bool] = False
 
     # ---- learner half
     @abc.abstractmethod

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -66,27 +66,16 @@ class IpcExport:
 
     def to_spec(self) -> dict[str, Any]:
         """Plain data for worker RPCs (bytes as hex: vLLM's msgpack carries them, JSON would not)."""
-        return {
-            "slot": self.slot,
-            "device_uuid": self.device_uuid,
-            "handle": self.handle.hex(),
-            "storage_size_bytes": self.storage_size_bytes,
-            "storage_offset_bytes": self.storage_offset_bytes,
-            "nbytes": self.nbytes,
-            "ref_counter_handle": self.ref_counter_handle.hex(),
-            "ref_counter_offset": self.ref_counter_offset,
-            "event_handle": self.event_handle.hex(),
-            "event_sync_required": self.event_sync_required,
-        }
+        return {k: v.hex() if isinstance(v, bytes) else v for k, v in asdict(self).items()}
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> IpcExport:
         return cls(
-            int(spec["slot"]), str(spec["device_uuid"]), bytes.fromhex(spec["handle"]),
-            int(spec["storage_size_bytes"]), int(spec["storage_offset_bytes"]), int(spec["nbytes"]),
-            bytes.fromhex(spec["ref_counter_handle"]), int(spec["ref_counter_offset"]),
-            bytes.fromhex(spec["event_handle"]), bool(spec["event_sync_required"]),
-        )  # fmt: skip
+            **{
+                f.name: bytes.fromhex(spec[f.name]) if f.type == "bytes" else spec[f.name]
+                for f in fields(cls)
+            }
+        )
 
 
 def device_uuid(device: torch.device) -> str:
@@ -192,7 +181,7 @@ class _Attachments:
         self.verified: dict[int, tuple[bytes, weights.Manifest]] = {}  # version -> (handle, manifest)
 
     def attach(self, spec: dict[str, Any], worker: WorkerContext) -> dict[str, Any]:
-        manifest = _manifest_from_spec(spec)
+        manifest = weights.manifest_from_plain(spec)
         export = IpcExport.from_spec(spec["export"])
         local = device_uuid(worker.device) if worker.device.type == "cuda" else None
         check_export(manifest, export, local)
@@ -209,8 +198,8 @@ class _Attachments:
             )  # fmt: skip
             self.buffers[export.handle] = buffer
         weights.verify_buckets(buffer, manifest)
-        self.verified = {v: entry for v, entry in self.verified.items() if v >= manifest_version(spec) - 1}
-        self.verified[manifest_version(spec)] = (export.handle, manifest)
+        self.verified = {v: entry for v, entry in self.verified.items() if v >= int(spec["version"]) - 1}
+        self.verified[int(spec["version"])] = (export.handle, manifest)
         return {"attached": True}
 
     @contextmanager
@@ -221,25 +210,6 @@ class _Attachments:
         if entry is None:
             raise FailedPrecondition(f"weight version {version} was not attached by this worker")
         yield weights.tensor_views(self.buffers[entry[0]], tensors)
-
-
-def manifest_version(spec: dict[str, Any]) -> int:
-    return int(spec["version"])
-
-
-def _manifest_to_spec(manifest: weights.Manifest) -> dict[str, Any]:
-    return {
-        "algorithm": manifest.algorithm.value,
-        "total_bytes": manifest.total_bytes,
-        "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in manifest.tensors],
-        "buckets": [[b.index, b.offset, b.nbytes, b.digest] for b in manifest.buckets],
-    }
-
-
-def _manifest_from_spec(spec: dict[str, Any]) -> weights.Manifest:
-    tensors = tuple(weights.TensorEntry(n, d, tuple(s), o, b) for n, d, s, o, b in spec["tensors"])
-    buckets = tuple(weights.BucketEntry(i, o, n, d) for i, o, n, d in spec["buckets"])
-    return weights.Manifest(tensors, buckets, int(spec["total_bytes"]), ChecksumAlgorithm(spec["algorithm"]))
 
 
 # ---------------------------------------------------------------------------------------------- transport
@@ -317,7 +287,7 @@ class CudaIpcTransport(WeightTransport):
         spec = {
             "version": target.version,
             "export": target.descriptor.to_spec(),
-            **_manifest_to_spec(target.manifest),
+            **weights.manifest_to_plain(target.manifest),
         }
         await ctx.workers.call_workers(self.kind, "attach", spec)
         return AttachedStaged(target.version, target.manifest, (time.perf_counter() - started) * 1e3)

@@ -280,22 +280,17 @@ class _Receiver:
                     world, timeout, member_names(spec["ranks"], world),
                 )  # fmt: skip
                 self.group_id = spec["group_id"]
-            total = int(spec["total_bytes"])
+            manifest = weights.manifest_from_plain(spec)
+            total = manifest.total_bytes
             if self.buffer is None or self.buffer.numel() < total or self.buffer.device != device:
                 self.buffer = torch.empty(total, dtype=torch.uint8, device=device)  # kept across versions
-            for offset, nbytes, _ in spec["buckets"]:
-                broadcast(self.handle, self.buffer[offset : offset + nbytes], timeout)
-            algorithm = ChecksumAlgorithm(spec["algorithm"])
-            for index, (offset, nbytes, expected) in enumerate(spec["buckets"]):
-                got = checksums.digest(algorithm, self.buffer[offset : offset + nbytes])
-                if got != expected:
-                    receipt.kind = "data_loss"
-                    receipt.error = (
-                        f"weight bucket {index} checksum mismatch ({algorithm}): "
-                        f"expected {expected}, got {got}"
-                    )
-                    receipt.status = "failed"
-                    return
+            for bucket in manifest.buckets:
+                broadcast(self.handle, self.buffer[bucket.offset : bucket.offset + bucket.nbytes], timeout)
+            try:
+                weights.verify_buckets(self.buffer, manifest)
+            except DataLoss as exc:
+                receipt.kind, receipt.error, receipt.status = "data_loss", str(exc), "failed"
+                return
             receipt.status = "done"
         except Exception as exc:
             close_group(self.handle)  # a failed collective leaves the group unusable
@@ -355,7 +350,6 @@ _FAILURES: dict[str, type[GrpoError]] = {"deadline": DeadlineExceeded, "data_los
 class NcclTransport(WeightTransport):
     kind = TransportKind.nccl
     live_state = True
-    collective = True
 
     # ---- learner half
     def prepare(
@@ -446,9 +440,7 @@ class NcclTransport(WeightTransport):
             "ranks": d.ranks,
             "first_rank": d.ranks[ctx.rollout_id],
             "deadline_seconds": d.deadline_seconds,
-            "total_bytes": target.manifest.total_bytes,
-            "algorithm": target.manifest.algorithm.value,
-            "buckets": [[b.offset, b.nbytes, b.digest] for b in target.manifest.buckets],
+            **weights.manifest_to_plain(target.manifest),
         }
         await ctx.workers.call_workers(self.kind, "receive", spec)
         # joining + every bucket each have the deadline; a little slack for the workers' own timeouts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import xxhash
@@ -13,7 +15,9 @@ from services.common.weights import (
     build_manifest,
     chunk_ranges,
     iter_tensors,
+    manifest_from_plain,
     manifest_from_proto,
+    manifest_to_plain,
     manifest_to_proto,
     pack_range,
     packed_size,
@@ -70,6 +74,14 @@ def test_pack_range_tiles_the_same_bytes_as_pack_into(bucket_bytes: int) -> None
     views = dict(tensor_views(torch.frombuffer(bytearray(got), dtype=torch.uint8), entries))
     for name, tensor in state.items():
         assert torch.equal(views[name], tensor), name
+
+
+def test_manifest_plain_data_roundtrip() -> None:
+    # what crosses vLLM's collective_rpc into workers: plain lists, ints and strings only
+    _, manifest = _pack(_state(), bucket_bytes=128)
+    plain = manifest_to_plain(manifest)
+    assert json.loads(json.dumps(plain)) == plain
+    assert manifest_from_plain({**plain, "version": 3}) == manifest
 
 
 def test_tensor_views_reject_a_short_buffer() -> None:

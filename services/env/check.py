@@ -34,10 +34,12 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from services.common.config import cli_errors
+from services.common.errors import FailedPrecondition
 from services.env.base import PromptItem, Score, SplitName
 from services.env.config import EnvRecipeFields
 from services.env.cursor import PromptCursor
-from services.env.loader import EnvLoadError, EnvRecipe, load_recipe
+from services.env.loader import EnvLoadError, EnvRecipe, load_environment, load_recipe
 from services.env.scoring import ScoringPool
 
 PROG = "python -m services.env check"
@@ -111,13 +113,14 @@ async def run_check(recipe: EnvRecipe, n: int, split: SplitName, score_timeout: 
     loaded = load_recipe(recipe)
     env, scorer = loaded.env, loaded.scorer
     await env.setup()
-    if split == "eval" and env.split_size("eval") == 0:
-        report.problems.append("the environment has no eval split (eval_size = 0)")
+    try:
+        prompts = (await PromptCursor(env).take(n, split)).prompts
+    except FailedPrecondition as exc:  # e.g. no eval split
+        report.problems.append(str(exc))
         return report
-    prompts = (await PromptCursor(env).take(n, split)).prompts
     if len(prompts) < n:
         report.warnings.append(f"the {split} split holds {len(prompts)} prompts; checked those, not {n}")
-    again = load_recipe(recipe).env
+    again = load_environment(recipe)
     await again.setup()
     second = (await PromptCursor(again).take(n, split)).prompts
     if [_key(p) for p in second] != [_key(p) for p in prompts]:
@@ -184,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         settings = CheckSettings.from_cli(argv)
-    except (ValidationError, SettingsError) as exc:
+    except ValidationError as exc:
+        print(cli_errors(CheckSettings, exc, PROG), file=sys.stderr)
+        return 2
+    except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

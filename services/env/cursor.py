@@ -29,7 +29,6 @@ from services.env.base import SPLITS, Environment, PromptItem, SplitName, has_ow
 class Draw:
     """Prompts drawn from one split: `prompts[i]` sits at position `start + i`."""
 
-    split: SplitName
     start: int
     prompts: list[PromptItem]
     requested: int
@@ -50,17 +49,14 @@ class PromptCursor:
         self._positions: dict[SplitName, int] = dict.fromkeys(SPLITS, 0)
         self._epoch_order: tuple[tuple[int, int], list[int]] | None = None  # ((size, epoch), order)
 
-    def position(self, split: SplitName) -> int:
-        """Where the next draw from `split` starts."""
-        return self._positions[split]
-
     def positions(self) -> dict[SplitName, int]:
         """Every split's position (what a run saves to resume; GetEnvironmentState reports it)."""
         return dict(self._positions)
 
-    def index_at(self, split: SplitName, position: int) -> int:
-        """The item index (for `prompt_at`) at a position: train shuffled per epoch, eval as is."""
-        size = self.env.split_size(split)
+    def index_at(self, split: SplitName, position: int, size: int | None = None) -> int:
+        """The item index (for `prompt_at`) at a position: train shuffled per epoch, eval as is
+        (`size`: the split's size when the caller has it already; `split_size` is user code)."""
+        size = self.env.split_size(split) if size is None else size
         if size == 0:
             return position
         epoch, offset = divmod(position, size)
@@ -105,7 +101,8 @@ class PromptCursor:
                 )
         else:
             prompts = await asyncio.to_thread(self._read, split, first, count)
-        return Draw(split=split, start=first, prompts=list(prompts), requested=n)
+        return Draw(start=first, prompts=list(prompts), requested=n)
 
     def _read(self, split: SplitName, start: int, count: int) -> list[PromptItem]:
-        return [self.env.prompt_at(split, self.index_at(split, start + i)) for i in range(count)]
+        size = self.env.split_size(split)
+        return [self.env.prompt_at(split, self.index_at(split, start + i, size)) for i in range(count)]

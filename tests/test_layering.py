@@ -131,3 +131,14 @@ def test_the_checker_sees_absolute_lazy_and_relative_imports(
     imported = _imports(probe, _modules(tmp_path), tmp_path)
     assert imported == expected
     assert any(_layer(t) not in ALLOWED["common"] for t in imported)  # each would be reported
+
+
+def test_the_scheduler_never_loads_torch() -> None:
+    # it only coordinates: naming transports (services/transports/kinds.py) must not pull in torch,
+    # which costs the scheduler seconds of start-up and hundreds of MB for nothing
+    import subprocess
+    import sys
+
+    probe = "import sys, services.scheduler.server; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -29,7 +29,7 @@ from services.launch.processes import ServiceFailed, ServiceProcess
 from services.launch.report import last_row, plot_reward, read_metrics, summarize
 from services.launch.tiny_model import DEMO_TASK, build_tiny_model
 from services.transports import TransportKind
-from services.transports.registry import ImplementedTransport
+from services.transports.kinds import ImplementedTransport
 
 REPO = Path(__file__).resolve().parents[2]
 

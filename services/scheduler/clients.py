@@ -138,8 +138,6 @@ class LearnerClient(Protocol):
 
 
 class RolloutClient(Protocol):
-    address: str
-
     async def state(self) -> RolloutInfo: ...
 
     async def generate(
@@ -150,8 +148,8 @@ class RolloutClient(Protocol):
     async def stage(self, weights: types_pb2.WeightVersion, deadline_s: float | None = None) -> None:
         """Fetch/receive + verify a version; `deadline_s` shortens the configured deadline."""
 
-    async def commit(self, version: int) -> int:
-        """Load the staged `version`; returns the version now loaded."""
+    async def commit(self, version: int) -> None:
+        """Load the staged `version`."""
 
     async def abort(self, version: int) -> None: ...
 

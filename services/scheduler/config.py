@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from services.common.advantages import AdvantageMode
 from services.common.config import ServiceSettings
 from services.transports import TransportKind
-from services.transports.registry import ImplementedTransport
+from services.transports.kinds import ImplementedTransport
 
 
 class SamplingSettings(BaseModel):
@@ -31,11 +31,17 @@ class TimeoutSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     connect: float = Field(default=120.0, description="Waiting for a peer's channel to connect at start.")
-    control: float = Field(default=30.0, description="Small control RPCs (state, prepare, release).")
+    control: float = Field(
+        default=30.0,
+        description="Small control RPCs (state, sample prompts, release, abort, probe scoring).",
+    )
     generate: float = Field(default=300.0, description="One Generate stream (a whole group).")
     score: float = Field(default=120.0, description="Scoring one group.")
     train_step: float = Field(default=600.0, description="One learner TrainStep.")
-    weight_sync: float = Field(default=300.0, description="Staging or committing one weight version.")
+    weight_sync: float = Field(
+        default=300.0,
+        description="Each phase of one weight sync: the learner's prepare, a rollout's stage or commit.",
+    )
 
 
 class SchedulerSettings(ServiceSettings):

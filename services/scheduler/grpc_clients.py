@@ -7,7 +7,9 @@ Each client builds the request messages, puts the configured deadline on every c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import TypeVar
 
 from grpo.common.v1 import types_pb2
 from grpo.env.v1 import env_pb2, env_pb2_grpc
@@ -27,20 +29,43 @@ from services.scheduler.clients import (
 )
 from services.scheduler.config import TimeoutSettings
 from services.transports import Receiver, TransportKind
-from services.transports.registry import kind_to_proto
+from services.transports.kinds import kind_to_proto, receive_bound_s
 
 _SPLITS = {"train": env_pb2.SPLIT_TRAIN, "eval": env_pb2.SPLIT_EVAL}
 _READY = (rollout_pb2.ROLLOUT_STATUS_READY, rollout_pb2.ROLLOUT_STATUS_UPDATING)
 
+StubT = TypeVar("StubT")
 
-class GrpcEnvClient(GrpcClient[env_pb2_grpc.EnvironmentServiceStub]):
-    def __init__(self, address: str, timeouts: TimeoutSettings) -> None:
-        super().__init__(address, env_pb2_grpc.EnvironmentServiceStub)
+
+class _PeerClient(GrpcClient[StubT]):
+    """A scheduler peer: its stub, the configured deadlines, and errors named "<label> <address>"."""
+
+    def __init__(self, address: str, stub_class: type[StubT], label: str, timeouts: TimeoutSettings) -> None:
+        super().__init__(address, stub_class)
+        self._label = label
         self._timeouts = timeouts
 
     @property
     def peer(self) -> str:
-        return f"env {self.address}"
+        return f"{self._label} {self.address}"
+
+
+@functools.lru_cache(maxsize=16)
+def _sampling_params(sampling: Sampling) -> types_pb2.SamplingParams:
+    """The proto of a (frozen, hashable) `Sampling`, built once: callers copy it, never mutate it."""
+    return types_pb2.SamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens,
+        seed=sampling.seed,
+    )
+
+
+class GrpcEnvClient(_PeerClient[env_pb2_grpc.EnvironmentServiceStub]):
+    def __init__(self, address: str, timeouts: TimeoutSettings) -> None:
+        super().__init__(address, env_pb2_grpc.EnvironmentServiceStub, "env", timeouts)
 
     async def sample(self, n: int, split: Split, start: int | None = None) -> list[types_pb2.Prompt]:
         request = env_pb2.SamplePromptsRequest(n=n, split=_SPLITS[split], start=start)
@@ -61,14 +86,9 @@ class GrpcEnvClient(GrpcClient[env_pb2_grpc.EnvironmentServiceStub]):
         return dict((await self.unary("Evaluate", request, self._timeouts.score)).metrics)
 
 
-class GrpcLearnerClient(GrpcClient[learner_pb2_grpc.LearnerServiceStub]):
+class GrpcLearnerClient(_PeerClient[learner_pb2_grpc.LearnerServiceStub]):
     def __init__(self, address: str, timeouts: TimeoutSettings) -> None:
-        super().__init__(address, learner_pb2_grpc.LearnerServiceStub)
-        self._timeouts = timeouts
-
-    @property
-    def peer(self) -> str:
-        return f"learner {self.address}"
+        super().__init__(address, learner_pb2_grpc.LearnerServiceStub, "learner", timeouts)
 
     async def state(self) -> LearnerInfo:
         s = await self.unary("GetLearnerState", learner_pb2.GetLearnerStateRequest(), self._timeouts.control)
@@ -103,10 +123,8 @@ class GrpcLearnerClient(GrpcClient[learner_pb2_grpc.LearnerServiceStub]):
         )
         response = await self.unary("PrepareWeights", request, self._timeouts.weight_sync)
         wv = response.weight_version
-        stage_timeout = None
-        if wv.WhichOneof("transport") == "nccl":  # joining + each bucket have the deadline, plus slack
-            stage_timeout = wv.nccl.deadline_seconds * (len(wv.buckets) + 1) + 10.0
-        return PreparedWeights(wv.version, wv, response.prepare_ms, stage_timeout)
+        bound = receive_bound_s(wv)  # a collective transfer's own deadlines, plus slack for the RPCs
+        return PreparedWeights(wv.version, wv, response.prepare_ms, None if bound is None else bound + 10.0)
 
     async def release(self, version: int) -> None:
         request = learner_pb2.ReleaseWeightsRequest(version=version)
@@ -118,14 +136,9 @@ class GrpcLearnerClient(GrpcClient[learner_pb2_grpc.LearnerServiceStub]):
         return TokenScores(list(response.logprobs), response.weight_version)
 
 
-class GrpcRolloutClient(GrpcClient[rollout_pb2_grpc.RolloutServiceStub]):
+class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
     def __init__(self, address: str, timeouts: TimeoutSettings) -> None:
-        super().__init__(address, rollout_pb2_grpc.RolloutServiceStub)
-        self._timeouts = timeouts
-
-    @property
-    def peer(self) -> str:
-        return f"rollout {self.address}"
+        super().__init__(address, rollout_pb2_grpc.RolloutServiceStub, "rollout", timeouts)
 
     async def state(self) -> RolloutInfo:
         request = rollout_pb2.GetRolloutStateRequest()
@@ -142,15 +155,9 @@ class GrpcRolloutClient(GrpcClient[rollout_pb2_grpc.RolloutServiceStub]):
     async def generate(
         self, request_id: str, prompt: types_pb2.Prompt, sampling: Sampling
     ) -> list[types_pb2.Completion]:
-        params = types_pb2.SamplingParams(
-            n=sampling.n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            max_tokens=sampling.max_tokens,
-            seed=sampling.seed,
+        request = rollout_pb2.GenerateRequest(
+            request_id=request_id, prompt=prompt, sampling_params=_sampling_params(sampling)
         )
-        request = rollout_pb2.GenerateRequest(request_id=request_id, prompt=prompt, sampling_params=params)
         return [item.completion async for item in self.stream("Generate", request, self._timeouts.generate)]
 
     async def stage(self, weights: types_pb2.WeightVersion, deadline_s: float | None = None) -> None:
@@ -160,9 +167,9 @@ class GrpcRolloutClient(GrpcClient[rollout_pb2_grpc.RolloutServiceStub]):
         )
         await self.unary("StageWeights", request, deadline)
 
-    async def commit(self, version: int) -> int:
+    async def commit(self, version: int) -> None:
         request = rollout_pb2.CommitWeightsRequest(version=version)
-        return (await self.unary("CommitWeights", request, self._timeouts.weight_sync)).version
+        await self.unary("CommitWeights", request, self._timeouts.weight_sync)
 
     async def abort(self, version: int) -> None:
         await self.unary(

@@ -146,7 +146,7 @@ class Orchestrator:
         if not self.pool.healthy():
             raise RuntimeError("no rollout is ready")
         async with self.syncer.lock:
-            lagging = [h for h in self.pool.healthy() if h.version != self.version]
+            lagging = self.pool.behind(self.version)
             if lagging:
                 await self.syncer.sync(lagging)
         self.probe = await self._make_probe()
@@ -258,15 +258,18 @@ class Orchestrator:
         self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle
     ) -> list[types_pb2.Completion]:
         completions = await handle.client.generate(group_id, prompt, self.sampling)
-        indices = sorted(c.index for c in completions)
+        completions = sorted(completions, key=lambda c: c.index)
+        indices = [c.index for c in completions]
         if indices != list(range(self.settings.group_size)):
             raise RuntimeError(f"group {group_id}: rollout returned completion indices {indices}")
-        return sorted(completions, key=lambda c: c.index)
+        return completions
 
     def _fail_group(self, group_id: str, prompt: types_pb2.Prompt, where: str, exc: Exception) -> None:
         """Drop the group; re-issue its prompt unless the failure says the request itself is bad."""
-        retry = exc.retryable if isinstance(exc, GrpoError) else True
-        reason = f"{where}: {exc}" if isinstance(exc, GrpoError) else f"{where}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, GrpoError):
+            retry, reason = exc.retryable, f"{where}: {exc}"
+        else:
+            retry, reason = True, f"{where}: {type(exc).__name__}: {exc}"
         retry = retry and self.ledger.get(group_id).attempt + 1 < MAX_ATTEMPTS
         log.warning("group failed", group=group_id, reason=reason, reissue=retry)
         self._drop(group_id, reason)
@@ -311,9 +314,9 @@ class Orchestrator:
                 self.version, self.step = result.weight_version, result.step
                 # a health round may have caught some up to this version while we trained: never
                 # stage a version on a rollout that holds it (for nccl it would not join the broadcast)
-                behind = [h for h in self.pool.healthy() if h.version != self.version or h.needs_sync]
+                behind = self.pool.behind(self.version)
                 sync = await self.syncer.sync(behind) if behind else SyncResult.nothing(self.version)
-                holding = sum(h.version == self.version and not h.needs_sync for h in self.pool.healthy())
+                holding = len(self.pool.healthy()) - len(self.pool.behind(self.version))
                 self.last_alignment = await self._check_alignment(
                     [h for h in self.pool.healthy() if h.version == self.version]
                 )
@@ -381,9 +384,7 @@ class Orchestrator:
     async def catch_up(self) -> None:
         """One health round: refresh every rollout, then sync the healthy ones behind the run's version."""
         await self.pool.refresh_all(self.version)
-        lagging = [
-            h for h in self.pool.healthy() if (h.version < self.version or h.needs_sync) and not h.syncing
-        ]
+        lagging = [h for h in self.pool.healthy() if h.version < self.version or h.needs_sync]
         if lagging and not self.syncer.lock.locked():
             async with self.syncer.lock:
                 log.info("catching up rollouts", rollouts=[h.name for h in lagging], version=self.version)

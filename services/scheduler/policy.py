@@ -64,5 +64,5 @@ def pick_rollout(slots: Sequence[RolloutSlot], train_version: int, max_staleness
 
 def build_train_batch(groups: Sequence[ScoredGroup], step: int, batch_id: str, advantage_mode: str) -> Batch:
     """The batch of one optimizer step: `groups` with their advantages (mode over the whole batch)."""
-    advantages = compute_advantages([list(g.rewards) for g in groups], advantage_mode)
+    advantages = compute_advantages([g.rewards for g in groups], advantage_mode)
     return Batch(batch_id=batch_id, step=step, groups=list(groups), advantages=advantages)

@@ -1,8 +1,9 @@
 """The scheduler's view of its rollout workers: clients, credits, versions and health.
 
-A handle is usable for new work when it is healthy, not in a weight sync, and not waiting for its
-first sync: a rollout that (re)joins with weights other than the run's current version gets them
-before any work (`needs_sync`), whatever the staleness bound would allow.
+A handle is usable for new work when it is healthy, not in a weight sync, and not flagged
+`needs_sync`: a rollout that (re)joins with weights other than the run's current version, or whose
+last stage/commit failed (and was aborted), gets the current version before any work, whatever the
+staleness bound would allow.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class RolloutPool:
 
     def healthy(self) -> list[RolloutHandle]:
         return [h for h in self._by_address.values() if h.healthy]
+
+    def behind(self, version: int) -> list[RolloutHandle]:
+        """Healthy rollouts a sync to `version` must target: not holding it, or flagged `needs_sync`."""
+        return [h for h in self.healthy() if h.version != version or h.needs_sync]
 
     async def refresh(self, handle: RolloutHandle, current_version: int) -> None:
         """Poll one rollout's state; mark it unhealthy if it does not answer in time. A rollout that

@@ -1,7 +1,7 @@
 """Weight transports: how a published weight version travels from the learner to the rollouts.
 
 One module per transport, each holding its learner, rollout and engine halves (`base.py` is the
-contract, `registry.py` says which kinds exist):
+contract, `registry.py` says which kinds exist, `kinds.py` is the torch-free part the scheduler uses):
 
 | kind            | module             | where                                      |
 |-----------------|--------------------|--------------------------------------------|
@@ -12,22 +12,49 @@ contract, `registry.py` says which kinds exist):
 | `checkpoint`    | planned            | shared file system                         |
 
 This package depends only on `services.common` and the generated contracts; the learner and the
-rollout use it, the scheduler only names kinds.
+rollout use it, the scheduler only names kinds. Importing the package loads no torch: the names from
+`base.py` are resolved on first use, so `from services.transports import TransportKind` in the
+scheduler stays light.
 """
 
-from services.transports.base import (
-    EngineWorkers,
-    LoadPlan,
-    Prepared,
-    PublishContext,
-    Receiver,
-    StageContext,
-    Staged,
-    StageTarget,
-    TransportKind,
-    WeightTransport,
-    WorkerContext,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from services.transports.kinds import Receiver, TransportKind
+
+if TYPE_CHECKING:
+    from services.transports.base import (
+        EngineWorkers,
+        LoadPlan,
+        Prepared,
+        PublishContext,
+        StageContext,
+        Staged,
+        StageTarget,
+        WeightTransport,
+        WorkerContext,
+    )
+
+_FROM_BASE = {
+    "EngineWorkers",
+    "LoadPlan",
+    "Prepared",
+    "PublishContext",
+    "StageContext",
+    "Staged",
+    "StageTarget",
+    "WeightTransport",
+    "WorkerContext",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_BASE:
+        return getattr(importlib.import_module("services.transports.base"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "EngineWorkers",

@@ -29,33 +29,13 @@ import abc
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, ClassVar, Protocol
 
 import torch
 
 from grpo.common.v1 import types_pb2
 from services.common.weights import Manifest, TensorEntry
-
-
-class TransportKind(StrEnum):
-    """How rollouts receive a weight version; the values are the `WeightVersion.transport` oneof names
-    (member names equal values, so `--help` lists what users type)."""
-
-    grpc_stream = "grpc_stream"
-    shared_memory = "shared_memory"
-    cuda_ipc = "cuda_ipc"
-    nccl = "nccl"
-    checkpoint = "checkpoint"
-
-
-@dataclass(frozen=True)
-class Receiver:
-    """A rollout that receives a version through a collective transport."""
-
-    rollout_id: str
-    instance_id: str  # changes when the rollout restarts
-    workers: int  # its processes that join the group
+from services.transports.kinds import Receiver, TransportKind
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from services.transports.base import (
     WeightTransport,
     WorkerContext,
 )
+from services.transports.kinds import collective_receive_s
 from services.transports.process_group import broadcast, close_group, member_names, open_group
 
 log = get_logger(__name__)
@@ -443,8 +444,8 @@ class NcclTransport(WeightTransport):
             **weights.manifest_to_plain(target.manifest),
         }
         await ctx.workers.call_workers(self.kind, "receive", spec)
-        # joining + every bucket each have the deadline; a little slack for the workers' own timeouts
-        limit = started + d.deadline_seconds * (len(target.manifest.buckets) + 1) + 5.0
+        # a little slack over the workers' own timeouts
+        limit = started + collective_receive_s(d.deadline_seconds, len(target.manifest.buckets)) + 5.0
         while True:
             replies = await ctx.workers.call_workers(
                 self.kind, "poll", {"version": target.version, "broadcast_id": d.broadcast_id}

@@ -9,33 +9,43 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Annotated, Any
+from typing import Any
 
 import torch
-from pydantic import AfterValidator
 
 from grpo.common.v1 import types_pb2
 from services.common import weights
-from services.common.errors import FailedPrecondition, GrpoError, InvalidArgument
-from services.transports.base import (
-    LoadPlan,
-    Prepared,
-    StageTarget,
-    TransportKind,
-    WeightTransport,
-    WorkerContext,
-)
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.transports.base import LoadPlan, Prepared, StageTarget, WeightTransport, WorkerContext
 from services.transports.cuda_ipc import CudaIpcTransport
 from services.transports.grpc_stream import GrpcStreamTransport
+from services.transports.kinds import (  # re-exported: one place to look things up
+    PLANNED,
+    ImplementedTransport,
+    TransportKind,
+    kind_from_proto,
+    kind_to_proto,
+    not_implemented,
+)
 from services.transports.nccl import NcclTransport
 from services.transports.shared_memory import SharedMemoryTransport
 
 TRANSPORTS: dict[TransportKind, WeightTransport] = {
     t.kind: t for t in (GrpcStreamTransport(), SharedMemoryTransport(), NcclTransport(), CudaIpcTransport())
 }
-PLANNED: dict[TransportKind, str] = {
-    TransportKind.checkpoint: "a shared file system: rollouts load a safetensors checkpoint",
-}
+
+__all__ = [
+    "PLANNED",
+    "TRANSPORTS",
+    "ImplementedTransport",
+    "describe",
+    "get",
+    "kind_from_proto",
+    "kind_to_proto",
+    "open_tensors",
+    "target_from_proto",
+    "worker_op",
+]
 
 
 def get(kind: TransportKind | str) -> WeightTransport:
@@ -44,38 +54,9 @@ def get(kind: TransportKind | str) -> WeightTransport:
         kind = TransportKind(kind)
     except ValueError:
         raise InvalidArgument(f"unknown weight transport {kind!r}") from None
-    if kind in PLANNED:
-        raise FailedPrecondition(f"{kind} weight transport is not implemented yet ({PLANNED[kind]})")
+    if why := not_implemented(kind):
+        raise FailedPrecondition(why)
     return TRANSPORTS[kind]
-
-
-def _implemented(kind: TransportKind) -> TransportKind:
-    try:
-        get(kind)
-    except GrpoError as exc:
-        raise ValueError(str(exc)) from None
-    return kind
-
-
-# A settings field type: a transport this build implements (a planned one fails at start-up, with why).
-ImplementedTransport = Annotated[TransportKind, AfterValidator(_implemented)]
-
-
-def kind_to_proto(kind: TransportKind) -> types_pb2.WeightTransportKind.ValueType:
-    return types_pb2.WeightTransportKind.Value(f"WEIGHT_TRANSPORT_KIND_{kind.value.upper()}")
-
-
-def kind_from_proto(value: int) -> TransportKind:
-    """The kind named by a `WeightTransportKind` enum value (InvalidArgument for UNSPECIFIED/unknown)."""
-    try:
-        name = types_pb2.WeightTransportKind.Name(value)
-    except ValueError:
-        name = ""
-    kind = name.removeprefix("WEIGHT_TRANSPORT_KIND_").lower()
-    if kind not in TransportKind.__members__.values():
-        names = ", ".join(k.name for k in TransportKind)
-        raise InvalidArgument(f"unsupported weight transport kind {value} (use one of {names})")
-    return TransportKind(kind)
 
 
 def describe(prepared: Prepared) -> types_pb2.WeightVersion:

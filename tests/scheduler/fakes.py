@@ -182,13 +182,12 @@ class FakeRollout:
             raise Aborted(f"weight version {weights.version} is not newer than the loaded {self.version}")
         self.staged = weights.version
 
-    async def commit(self, version: int) -> int:
+    async def commit(self, version: int) -> None:
         self._check_alive()
         if self.staged != version:
             raise FailedPrecondition(f"v{version} is not staged")
         self.version, self.staged = version, None
         self.commits.append(version)
-        return version
 
     async def abort(self, version: int) -> None:
         self._check_alive()

@@ -6,9 +6,9 @@ Two algorithms, chosen by where the bytes are (the manifest names the one used):
               against ~1 GB/s for SHA-256, which used to bound the shared-memory transport.
     wsum64    Σ w_i·(2i+1) mod 2^64 over the bucket's little-endian int64 words, computed with torch
               on whatever device holds the bytes: a GPU verifies what it received without copying it
-              to the host. Each multiplier is odd, so any single flipped bit changes the sum, and so
-              does moving a word to another position. Integer sums wrap identically on every device
-              and in any reduction order, so learner and rollout agree bit for bit.
+              to the host. Each multiplier is odd, so any single flipped bit changes the sum; moving
+              words to other positions almost always does. Integer sums wrap identically on every
+              device and in any reduction order, so learner and rollout agree bit for bit.
 
 Neither is cryptographic: they catch corruption and mix-ups, not an adversary (the transports'
 peers are authenticated by the deployment, not by checksums).

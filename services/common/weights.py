@@ -3,8 +3,9 @@
 The learner packs its `state_dict()` (HF names, unsharded, in module order so tied heads and
 layer-wise loaders see every tensor) into a contiguous buffer split into buckets; each bucket gets
 a checksum (`checksums.py`: xxh3_64 over host bytes, wsum64 on a device). Rollouts receive the same
-bytes by any transport (`services/transports/`), verify every bucket, and rebuild tensors with
-`torch.frombuffer` - no pickle anywhere. This layout is the one thing all transports share.
+bytes by any transport (`services/transports/`), verify every bucket, and rebuild tensors as views
+of the received bytes (`iter_tensors` on host memory, `tensor_views` on any device) - no pickle
+anywhere. This layout is the one thing all transports share.
 """
 
 from __future__ import annotations
@@ -94,29 +95,35 @@ def packed_size(entries: list[TensorEntry]) -> int:
     return (last.offset + last.nbytes + 63) // 64 * 64
 
 
+def _host_bytes(buffer: memoryview) -> torch.Tensor:
+    """A uint8 tensor over `buffer`, zero-copy (torch.frombuffer rejects an empty buffer)."""
+    return torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
+
+
 def pack_into(state: Mapping[str, torch.Tensor], entries: list[TensorEntry], buffer: memoryview) -> None:
-    """Copy each tensor's bytes into `buffer` at its planned offset (CPU, contiguous)."""
-    for entry in entries:
-        if entry.nbytes == 0:  # torch.frombuffer rejects count=0; nothing to copy
-            continue
-        src = state[entry.name].detach().to("cpu").contiguous().reshape(-1)
-        dst = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
-        dst.copy_(src.view(torch.uint8))
+    """Pack every tensor into the host `buffer` at its planned offset (padding zeroed)."""
+    pack_range(state, entries, 0, _host_bytes(buffer)[: packed_size(entries)])
 
 
 def pack_range(
     state: Mapping[str, torch.Tensor], entries: list[TensorEntry], start: int, out: torch.Tensor
 ) -> torch.Tensor:
     """Copy bytes [start, start + out.numel()) of the packed layout into the uint8 tensor `out`, on
-    `out`'s device (device-to-device when the state lives there too); padding between tensors is zeroed."""
-    out.zero_()
+    `out`'s device (device-to-device when the state lives there too); padding between tensors is zeroed.
+    `entries` are in offset order (as `plan_layout` makes them)."""
     end = start + out.numel()
+    done = start  # everything before this is written
     for entry in entries:
         lo, hi = max(entry.offset, start), min(entry.offset + entry.nbytes, end)
         if lo >= hi:
             continue
+        if lo > done:
+            out[done - start : lo - start].zero_()  # alignment padding
         source = state[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
         out[lo - start : hi - start].copy_(source[lo - entry.offset : hi - entry.offset], non_blocking=True)
+        done = hi
+    if done < end:
+        out[done - start :].zero_()
     return out
 
 
@@ -153,16 +160,8 @@ def verify_buckets(buffer: memoryview | torch.Tensor, manifest: Manifest) -> Non
 def iter_tensors(
     buffer: memoryview, tensors: tuple[TensorEntry, ...] | list[TensorEntry]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) views over `buffer`, zero-copy; the caller keeps `buffer` alive while using them."""
-    for entry in tensors:
-        if entry.offset + entry.nbytes > len(buffer):
-            raise InvalidArgument(f"tensor {entry.name} lies outside the weight buffer")
-        dtype = dtype_from_name(entry.dtype)
-        if entry.nbytes == 0:
-            yield entry.name, torch.empty(entry.shape, dtype=dtype)
-            continue
-        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
-        yield entry.name, flat.view(dtype).reshape(entry.shape)
+    """(name, tensor) views over a host `buffer`, zero-copy; keep `buffer` alive while using them."""
+    return tensor_views(_host_bytes(buffer), tensors)
 
 
 def tensor_views(
@@ -204,7 +203,7 @@ def manifest_from_plain(plain: dict[str, Any]) -> Manifest:
 
 
 def manifest_to_proto(manifest: Manifest, message: types_pb2.WeightVersion) -> None:
-    """Fill the manifest fields (tensors, buckets, total_bytes) of a WeightVersion message."""
+    """Fill the manifest fields (tensors, buckets, total_bytes, checksum_algorithm) of a WeightVersion."""
     message.total_bytes = manifest.total_bytes
     message.checksum_algorithm = checksums.to_proto(manifest.algorithm)
     for t in manifest.tensors:
@@ -232,6 +231,7 @@ def manifest_from_proto(message: types_pb2.WeightVersion) -> Manifest:
 def _check_buckets(buckets: tuple[BucketEntry, ...], total: int, algorithm: ChecksumAlgorithm) -> None:
     """Buckets must tile [0, total) in order, numbered 0..n-1, each with a hex digest of `algorithm`."""
     expected_offset = 0
+    width = checksums.DIGEST_HEX_CHARS[algorithm]
     for position, b in enumerate(buckets):
         if b.index != position:
             raise InvalidArgument(f"bucket at position {position} has index {b.index}")
@@ -240,7 +240,6 @@ def _check_buckets(buckets: tuple[BucketEntry, ...], total: int, algorithm: Chec
                 f"bucket {b.index} covers [{b.offset}, {b.offset + b.nbytes}) but must start at "
                 f"{expected_offset} and be non-empty (buckets tile the buffer in order)"
             )
-        width = checksums.DIGEST_HEX_CHARS[algorithm]
         if len(b.digest) != width or any(c not in "0123456789abcdef" for c in b.digest):
             raise InvalidArgument(
                 f"bucket {b.index} digest must be {width} lower-case hex digits ({algorithm}), "

@@ -1,14 +1,20 @@
 """Learner settings: `[learner]` and its nested tables, `GRPO_LEARNER__*` env vars, `--help`.
 
-Each component's options are one nested model, read directly by the code that uses it (no copies,
-no second defaults):
+Each component's options are one nested model, with its defaults defined only here. Where they are
+read (trainer.py hands model.py, losses.py and checkpoint.py the values or section objects they need):
 
-    [learner]             model, device, dtype, seed, micro-batching        → trainer.py, model.py
+    [learner]             model, device, dtype, seed, micro-batching        → trainer.py
+                          strict_step                                        → learner.py
     [learner.loss]        objective and its knobs (--loss.kind dapo)         → losses.py
     [learner.optim]       AdamW and the LR schedule (--optim.lr 4e-4)        → trainer.py
     [learner.lora]        LoRA adapters (--lora.rank 8)                      → model.py
-    [learner.publish]     how weight versions are exported and served        → learner.py, publish.py
-    [learner.checkpoint]  atomic checkpoints and resume (--checkpoint.dir)   → trainer.py, checkpoint.py
+    [learner.publish]     export_format, export_dtype                        → trainer.py
+                          max_prepared_versions, advertise_address           → learner.py
+                          bucket_bytes, chunk_bytes, collective_*            → learner.py, which copies
+                                                                               them into the transports'
+                                                                               `PublishContext`
+    [learner.checkpoint]  atomic checkpoints and resume (--checkpoint.dir)   → trainer.py; dir also
+                                                                               learner.py (stop)
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 Every model operation (load, train step, scoring, weight export + packing, checkpoint) runs on ONE
 dedicated worker thread: the event loop never blocks, and the model is never used by two operations
-at once. That includes turning a request into training samples: `train_step` takes a decoder that
-the thread runs, so the O(tokens) conversion and validation of a big batch never stall health
-checks or FetchWeights; and pushing weights (an nccl broadcast), which runs in the same job as
-packing them, so no optimizer step can interleave. Calls queue behind each other in arrival order;
-a second TrainStep while one is queued or running is refused with ResourceExhausted (backpressure
-instead of an unbounded queue).
+at once. That includes turning a request into samples: `train_step` takes a decoder that the thread
+runs, and `score` builds and validates its sequence there, so the O(tokens) conversion and
+validation of a big batch never stall health checks or FetchWeights; and pushing weights (an nccl
+broadcast), which runs in the same job as packing them, so no optimizer step can interleave. Calls
+queue behind each other in arrival order; a second TrainStep while one is queued or running is
+refused with ResourceExhausted (backpressure instead of an unbounded queue).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from services.common.logging import get_logger
+from services.common.weights import dtype_name
 from services.learner.batching import Sample, validate_sample
 from services.learner.config import LearnerSettings
 from services.learner.publish import PreparedStore
@@ -153,18 +154,20 @@ class Learner:
         if temperature < 0:
             raise InvalidArgument("temperature must be >= 0 (0 means 1.0, like vLLM greedy logprobs)")
         temperature = temperature or 1.0
-        sample = Sample(
-            tuple(prompt_ids), tuple(completion_ids), (0.0,) * len(completion_ids), 0.0, temperature
-        )
-        validate_sample(sample, trainer.vocab_size, "sequence", trainer.max_length)
-        return await self._run(
-            lambda: (trainer.score(prompt_ids, completion_ids, temperature), trainer.weight_version)
-        )
+
+        def score() -> tuple[list[float], int]:  # on the model thread: building + validating is O(tokens)
+            sample = Sample(
+                tuple(prompt_ids), tuple(completion_ids), (0.0,) * len(completion_ids), 0.0, temperature
+            )
+            validate_sample(sample, trainer.vocab_size, "sequence", trainer.max_length)
+            return trainer.score(sample), trainer.weight_version
+
+        return await self._run(score)
 
     # ------------------------------------------------------------------ publishing weights
 
     async def prepare_weights(
-        self, kind: TransportKind, receivers: tuple[Receiver, ...] = ()
+        self, kind: TransportKind, receivers: tuple[Receiver, ...]
     ) -> tuple[Prepared, float]:
         """The current weights packed by transport `kind` (existing if already prepared) and the ms spent.
 
@@ -211,7 +214,9 @@ class Learner:
             await asyncio.sleep(0)
 
     async def release_weights(self, version: int) -> None:
-        self.store.release(version)
+        # off the loop (freeing a model-sized medium: munmap + unlink, CUDA IPC collection), and off
+        # the model thread (no need to queue behind a train step); the store is thread-safe
+        await asyncio.to_thread(self.store.release, version)
         log.info("weights released", version=version)
 
     def advertise_address(self) -> str:
@@ -237,5 +242,5 @@ class Learner:
             loss=self.settings.loss.kind,
             prepared_versions=self.store.versions(),
             device=str(trainer.device),
-            dtype=str(trainer.compute_dtype).removeprefix("torch."),
+            dtype=dtype_name(trainer.compute_dtype),
         )

@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from transformers import AutoModelForCausalLM
 
+from services.common.weights import dtype_from_name
 from services.learner.batching import MicroBatch
 from services.learner.config import LoraConfig
 
@@ -30,7 +31,7 @@ def resolve_compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """'auto' → bf16 autocast on GPU, fp32 on CPU. Parameters (and optimizer state) stay fp32."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return dtype_from_name(dtype)
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
@@ -48,11 +49,12 @@ def load_policy(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora.rank > 0:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
 
         if gradient_checkpointing:
             model.enable_input_require_grads()
-        config = LoraConfig(
+        config = PeftLoraConfig(
             r=lora.rank,
             lora_alpha=lora.alpha,
             lora_dropout=lora.dropout,

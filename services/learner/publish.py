@@ -1,9 +1,12 @@
-"""Prepared weight versions: packed snapshots the rollouts fetch, bounded in number.
+"""Prepared weight versions: each the weights as one transport publishes them, bounded in number.
 
 `PreparedStore.prepare` exports the current weights and hands them to a weight transport
-(`services/transports/`), which packs them into its medium (process memory for grpc_stream, a
-POSIX segment for shared_memory, ...). A version stays until `release`; at most `max_prepared` are
-held at once (ResourceExhausted beyond). The store knows nothing of any particular transport.
+(`services/transports/`), which publishes them its own way: grpc_stream and shared_memory pack a CPU
+snapshot into process memory or a POSIX segment the rollouts fetch or attach; cuda_ipc packs the
+live tensors into a GPU staging buffer the rollouts attach to; nccl reads the live tensors and
+pushes them to its receivers, bucket by bucket. A version stays until `release`; at most
+`max_prepared` are held at once (ResourceExhausted beyond). The store knows nothing of any
+particular transport.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from services.transports import Prepared, PublishContext, Receiver, WeightTransp
 class PreparedStore:
     """Thread-safe registry of prepared versions (prepare runs on the learner's model thread)."""
 
-    def __init__(self, max_prepared: int = 4) -> None:
+    def __init__(self, max_prepared: int) -> None:
         self.max_prepared = max_prepared
         self._items: dict[int, Prepared] = {}
         self._lock = threading.Lock()
@@ -42,7 +45,7 @@ class PreparedStore:
         transport: WeightTransport,
         export: Callable[[], Mapping[str, torch.Tensor]],
         ctx: PublishContext,
-        receivers: tuple[Receiver, ...] = (),
+        receivers: tuple[Receiver, ...],
     ) -> tuple[Prepared, bool]:
         """`version` packed by `transport` (exported only when new). Returns (item, newly prepared).
 

@@ -24,13 +24,20 @@ class LearnerApp:
 
     def __init__(self, settings: LearnerSettings) -> None:
         self.learner = Learner(settings)
-        self.bound_port: int | None = None
+
+    @property
+    def bound_port(self) -> int | None:
+        """The learner's own `bound_port` (the skeleton sets it here before `start()`)."""
+        return self.learner.bound_port
+
+    @bound_port.setter
+    def bound_port(self, port: int | None) -> None:
+        self.learner.bound_port = port
 
     def register(self, server: grpc.aio.Server) -> None:
         learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(self.learner), server)
 
     async def start(self) -> None:
-        self.learner.bound_port = self.bound_port
         await self.learner.start()
 
     async def stop(self) -> None:

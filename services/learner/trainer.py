@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from services.common.logging import get_logger
+from services.common.weights import dtype_from_name
 from services.learner import checkpoint as ckpt
 from services.learner.batching import MicroBatch, Sample, collate, global_norm, micro_batches
 from services.learner.config import LearnerSettings, OptimConfig
@@ -70,7 +71,7 @@ class Trainer:
         self.device = resolve_device(settings.device)
         self.compute_dtype = resolve_compute_dtype(settings.dtype, self.device)
         export_dtype = settings.publish.export_dtype
-        self.export_dtype = None if export_dtype == "auto" else getattr(torch, export_dtype)
+        self.export_dtype = None if export_dtype == "auto" else dtype_from_name(export_dtype)
         self.model = load_policy(settings.model, self.device, settings.lora, settings.gradient_checkpointing)
         self.model.eval()
         self.vocab_size = vocab_size(self.model)
@@ -181,11 +182,9 @@ class Trainer:
     # ------------------------------------------------------------------ scoring / export
 
     @torch.no_grad()
-    def score(self, prompt_ids: list[int], completion_ids: list[int], temperature: float) -> list[float]:
-        """Logprob of each completion token at `temperature` under the current weights (eval mode)."""
-        sample = Sample(
-            tuple(prompt_ids), tuple(completion_ids), (0.0,) * len(completion_ids), 0.0, temperature
-        )
+    def score(self, sample: Sample) -> list[float]:
+        """Logprob of each completion token of `sample` (already validated) at its temperature under
+        the current weights (eval mode)."""
         mb = collate([sample]).to(self.device)
         with autocast(self.device, self.compute_dtype):
             logp, _ = token_logprobs(self.model, mb)

@@ -20,7 +20,7 @@ import torch
 
 from services.common.errors import FailedPrecondition, ResourceExhausted
 from services.common.logging import get_logger
-from services.common.weights import Manifest
+from services.common.weights import Manifest, dtype_from_name
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import (
     FINISH_LENGTH,
@@ -35,7 +35,6 @@ from services.transports import LoadPlan, WorkerContext
 from services.transports.registry import open_tensors, worker_op
 
 log = get_logger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -104,7 +103,10 @@ class HfEngine(RolloutEngine):
         if hf.num_threads > 0:
             torch.set_num_threads(hf.num_threads)
         device = hf.device if hf.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = _DTYPES.get(settings.dtype) or (torch.bfloat16 if device == "cuda" else torch.float32)
+        if settings.dtype == "auto":
+            dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        else:
+            dtype = dtype_from_name(settings.dtype)
         model = AutoModelForCausalLM.from_pretrained(
             settings.model, dtype=dtype, trust_remote_code=settings.trust_remote_code
         )
@@ -271,12 +273,13 @@ class HfEngine(RolloutEngine):
     ) -> list[float]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._executor, self._score, list(prompt_token_ids), list(completion_token_ids), temperature
+            self._executor, self._score, prompt_token_ids, completion_token_ids, temperature
         )
 
     def _swap_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> float:
-        """Load a staged version: copied into the parameters, or, when the plan offers stable views in
-        this engine's dtype and device (`zero_copy`: cuda_ipc), adopted as the parameters themselves."""
+        """Load a staged version: copied into the parameters (made our own first if they are borrowed),
+        or, when the plan offers stable views in this engine's dtype and device (`zero_copy`:
+        cuda_ipc), adopted as the parameters themselves."""
         started = time.perf_counter()
         current = self._model.state_dict()
         names = {t.name for t in manifest.tensors}
@@ -297,6 +300,8 @@ class HfEngine(RolloutEngine):
             adopt = plan.spec.get("zero_copy", False) and all(
                 t.dtype == current[n].dtype and t.device == current[n].device for n, t in state.items()
             )
+            if not adopt:
+                self._own()  # copying into borrowed parameters would write into the learner's buffer
             self._model.load_state_dict(state, strict=True, assign=adopt)
         self._borrowed = adopt
         if adopt and self._worker.device.type == "cuda":
@@ -318,6 +323,9 @@ class HfEngine(RolloutEngine):
         log.info("weights copied out of the learner's buffer", version=self._version)
 
     async def own_weights(self) -> None:
+        # `_borrowed` changes only in loads, which (like this call) run under Rollout's commit lock
+        if not self._borrowed:
+            return
         await asyncio.get_running_loop().run_in_executor(self._executor, self._own)
 
     async def load_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> LoadTimings:

@@ -15,8 +15,8 @@ from services.rollout.servicer import RolloutServicer
 
 
 class RolloutApp:
-    """ServiceApp adapter: registers the servicer and starts/stops the `Rollout` (its engine is
-    created in `start()`, inside the running loop)."""
+    """ServiceApp adapter: registers the servicer and starts/stops the `Rollout` (which creates its
+    engine in `Rollout.__init__` and starts it, inside the running loop, in `start()`)."""
 
     service_names = service_names(rollout_pb2)
 

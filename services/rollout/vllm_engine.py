@@ -5,8 +5,9 @@
 - Version stamping: the engine core labels every output step with its current weight version
   (`AsyncLLM.update_weight_version`, a string), and the final `CompletionOutput.weight_versions`
   carries `[start, end)` spans per label. Labels only change while generation is paused.
-- Weight updates: `pause_generation(mode="keep", clear_cache=True)` (requests freeze in place and
-  their KV is dropped, so they re-prefill under the new weights) → `collective_rpc` into
+- Weight updates: `pause_generation(mode=settings.vllm.pause_mode, clear_cache=True)` (default
+  "keep": requests freeze in place and their KV is dropped, so they re-prefill under the new weights;
+  "wait" drains them first, "abort" ends them) → `collective_rpc` into
   `vllm_worker_ext.GrpoWorkerExtension.grpo_load_weights` on every worker (which opens the staged
   version's transport `LoadPlan` there) → reset prefix cache → new version label →
   `resume_generation()`.
@@ -31,7 +32,7 @@ from typing import Any
 
 from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
-from services.common.weights import Manifest
+from services.common.weights import Manifest, manifest_to_plain
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import (
     FINISH_ABORT,
@@ -214,11 +215,7 @@ class VllmEngine(RolloutEngine):
 
     async def load_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> LoadTimings:
         # Plain data only: vLLM's msgpack RPC carries no dtypes objects and no pickle.
-        kwargs = {
-            "kind": plan.kind.value,
-            "spec": plan.spec,
-            "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in manifest.tensors],
-        }
+        kwargs = {"kind": plan.kind.value, "spec": plan.spec, "manifest": manifest_to_plain(manifest)}
         async with self._update_lock:
             paused = time.perf_counter()
             await self._llm.pause_generation(mode=self._settings.vllm.pause_mode, clear_cache=True)

@@ -8,7 +8,7 @@ methods through `AsyncLLM.collective_rpc` on every worker:
                                           receive a version in a background thread; poll it)
     grpo_load_weights(kind, spec, ...)    open a staged version where it lies and load it
 
-Arguments are plain data (a transport kind, JSON-like specs, the manifest's tensors as lists),
+Arguments are plain data (a transport kind, JSON-like specs, the manifest as `weights.manifest_to_plain`),
 because vLLM's msgpack RPC rejects dtype objects and does not reliably carry tensors; the transport's
 engine half (`services.transports`) rebuilds zero-copy tensor views here: no pickle.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from services.common.weights import TensorEntry
+from services.common import weights
 from services.transports import LoadPlan, TransportKind, WorkerContext
 from services.transports.registry import open_tensors, worker_op
 
@@ -48,16 +48,14 @@ class GrpoWorkerExtension:
         return worker_op(kind, op, spec, self._grpo_worker())
 
     def grpo_load_weights(
-        self, kind: str, spec: dict[str, Any], tensors: list[list[Any]]
+        self, kind: str, spec: dict[str, Any], manifest: dict[str, Any]
     ) -> dict[str, float]:
-        """Open the staged version `spec` of transport `kind`, load every listed tensor; return timings."""
+        """Open the staged version `spec` of transport `kind`, load every tensor of `manifest` (its
+        `weights.manifest_to_plain` form); return timings."""
         started = time.perf_counter()
-        entries = [
-            TensorEntry(name, dtype, tuple(shape), offset, nbytes)
-            for name, dtype, shape, offset, nbytes in tensors
-        ]
-        with open_tensors(LoadPlan(TransportKind(kind), spec), entries, self._grpo_worker()) as weights:
-            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
+        entries = list(weights.manifest_from_plain(manifest).tensors)
+        with open_tensors(LoadPlan(TransportKind(kind), spec), entries, self._grpo_worker()) as tensors:
+            self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)  # type: ignore[attr-defined]
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return {"worker_load_ms": (time.perf_counter() - started) * 1e3, "tensors": float(len(entries))}

@@ -28,6 +28,11 @@ def make_trainer(model_dir: Path, **kwargs) -> Trainer:
     return Trainer(LearnerSettings(model=str(model_dir), device="cpu", **kwargs))
 
 
+def scored(prompt: list[int], completion: list[int], temperature: float) -> Sample:
+    """A Sample for Trainer.score: only the tokens and the temperature matter."""
+    return Sample(tuple(prompt), tuple(completion), (0.0,) * len(completion), 0.0, temperature)
+
+
 def grads(trainer: Trainer) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in trainer.params]
 
@@ -86,13 +91,13 @@ def test_gradient_checkpointing_gives_the_same_gradients(micro_model_dir, make_s
 def test_positive_advantage_raises_the_sequence_logprob(micro_model_dir):
     trainer = make_trainer(micro_model_dir, loss=LossConfig(kind="dapo"), optim=OptimConfig(lr=1e-2))
     prompt, completion = [3, 4, 5], [6, 7, 8]
-    before = sum(trainer.score(prompt, completion, 1.0))
-    behav = tuple(trainer.score(prompt, completion, 1.0))
+    before = sum(trainer.score(scored(prompt, completion, 1.0)))
+    behav = tuple(trainer.score(scored(prompt, completion, 1.0)))
     outcomes = [
         trainer.train_step([Sample(tuple(prompt), tuple(completion), behav, 1.0)], f"b{step}")
         for step in range(3)
     ]
-    after = sum(trainer.score(prompt, completion, 1.0))
+    after = sum(trainer.score(scored(prompt, completion, 1.0)))
     assert after > before + 0.1
     assert outcomes[-1].weight_version == 3 and trainer.step == 3
     assert outcomes[0].metrics["grad_norm"] > 0 and math.isfinite(outcomes[0].metrics["loss"])
@@ -111,7 +116,7 @@ def test_score_equals_direct_log_softmax(micro_model_dir):
         logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].double()  # [L, V]
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     expected = [logprobs[len(prompt) - 1 + k, tok].item() for k, tok in enumerate(completion)]
-    assert trainer.score(prompt, completion, temperature) == pytest.approx(expected, abs=1e-5)
+    assert trainer.score(scored(prompt, completion, temperature)) == pytest.approx(expected, abs=1e-5)
 
 
 def test_full_export_has_hf_names_and_tied_lm_head(micro_model_dir):

@@ -27,6 +27,7 @@ class WeightStager:
     def __init__(self, rollout_id: str, fetch_timeout_s: float, workers: EngineWorkers | None = None) -> None:
         self._ctx = StageContext(rollout_id=rollout_id, fetch_timeout_s=fetch_timeout_s, workers=workers)
         self._staged: Staged | None = None
+        self._target: StageTarget | None = None  # what `_staged` was staged from
         self._lock = asyncio.Lock()
 
     @property
@@ -41,14 +42,15 @@ class WeightStager:
         transport = transports.get(target.kind)
         async with self._lock:
             staged = self._staged
-            if staged is not None and staged.version == target.version and staged.manifest == target.manifest:
+            if staged is not None and self._target == target:
                 return staged  # a retried StageWeights: already fetched and verified
+            # (the same version described anew, e.g. a new nccl broadcast of it, is staged again)
             if staged is not None and staged.version > target.version:
                 raise Aborted(f"weight version {staged.version} is already staged; {target.version} is stale")
             fresh = await transport.stage(target, self._ctx)
             if self._staged is not None:
                 self._staged.release()
-            self._staged = fresh
+            self._staged, self._target = fresh, target
             log.info(
                 "weights staged",
                 version=fresh.version,

@@ -42,6 +42,23 @@ async def test_slot_rules_retry_replace_take_put_back_abort() -> None:
         stager.close()
 
 
+async def test_the_same_version_described_anew_is_staged_again() -> None:
+    # A retry of the same StageWeights reuses the slot; a new PrepareWeights of that version (a new
+    # nccl broadcast, another learner address) is a different transfer and must be staged again:
+    # for nccl, answering from the slot would leave the learner's broadcast without this member.
+    stager = WeightStager("test", fetch_timeout_s=30)
+    async with WeightsServer() as first, WeightsServer() as second:
+        packed = Packed(_state(1))
+        v1 = transports.target_from_proto(first.publish(1, packed))
+        again = transports.target_from_proto(second.publish(1, packed))
+        assert again.manifest == v1.manifest and again.descriptor != v1.descriptor
+        staged = await stager.stage(v1, current_version=0)
+        restaged = await stager.stage(again, current_version=0)
+        assert restaged is not staged and stager.staged_version == 1
+        assert await stager.stage(again, current_version=0) is restaged
+        stager.close()
+
+
 async def test_versions_not_newer_than_loaded_and_planned_transports_are_refused() -> None:
     packed = Packed(_state())
     stager = WeightStager("t", 30)

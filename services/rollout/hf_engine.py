@@ -32,7 +32,7 @@ from services.rollout.engine import (
     VersionSpan,
 )
 from services.transports import LoadPlan, WorkerContext
-from services.transports.registry import open_tensors, worker_op
+from services.transports.registry import LocalWorkers, open_tensors
 
 log = get_logger(__name__)
 
@@ -297,7 +297,7 @@ class HfEngine(RolloutEngine):
         assert self._worker is not None
         with open_tensors(plan, list(manifest.tensors), self._worker) as tensors:
             state = dict(tensors)
-            adopt = plan.spec.get("zero_copy", False) and all(
+            adopt = plan.zero_copy and all(
                 t.dtype == current[n].dtype and t.device == current[n].device for n, t in state.items()
             )
             if not adopt:
@@ -339,7 +339,7 @@ class HfEngine(RolloutEngine):
         thread (a collective receive must not stall generation)."""
         if self._worker is None:
             raise FailedPrecondition("the transformers engine is still loading")
-        return [await asyncio.to_thread(worker_op, kind, op, spec, self._worker)]
+        return await LocalWorkers(self._worker).call_workers(kind, op, spec)
 
     @property
     def weight_workers(self) -> int:

@@ -115,6 +115,9 @@ class LoadPlan:
 
     kind: TransportKind
     spec: dict[str, Any]
+    # The views stay valid and unchanged until the next version is committed, so an engine whose dtype
+    # and device match may adopt them as its parameters instead of copying (cuda_ipc).
+    zero_copy: bool = False
 
 
 class Staged(abc.ABC):

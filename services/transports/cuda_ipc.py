@@ -220,7 +220,7 @@ class AttachedStaged(Staged):
 
     @property
     def plan(self) -> LoadPlan:
-        return LoadPlan(TransportKind.cuda_ipc, {"version": self.version, "zero_copy": True})
+        return LoadPlan(TransportKind.cuda_ipc, {"version": self.version}, zero_copy=True)
 
     def release(self) -> None:
         """Nothing to free: handles stay open for the process's life (one per learner buffer)."""

@@ -7,6 +7,7 @@ three halves (see `base.py`) plus one line here.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = [
     "PLANNED",
     "TRANSPORTS",
     "ImplementedTransport",
+    "LocalWorkers",
     "describe",
     "get",
     "kind_from_proto",
@@ -83,6 +85,17 @@ def open_tensors(
 ) -> AbstractContextManager[Iterator[tuple[str, torch.Tensor]]]:
     """(name, tensor) views of a staged version in the loading process (see WeightTransport.open_tensors)."""
     return get(plan.kind).open_tensors(plan.spec, tensors, worker)
+
+
+class LocalWorkers:
+    """Workers that live in this process (the transformers engine; tests and benchmarks): each
+    operation runs in a thread, so a collective receive never blocks the event loop."""
+
+    def __init__(self, *workers: WorkerContext) -> None:
+        self.workers = list(workers)
+
+    async def call_workers(self, kind: str, op: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+        return [await asyncio.to_thread(worker_op, kind, op, spec, w) for w in self.workers]
 
 
 def worker_op(kind: str, op: str, spec: dict[str, Any], worker: WorkerContext) -> dict[str, Any]:

@@ -137,10 +137,6 @@ class SegmentStaged(Staged):
         self._released = False
 
     @property
-    def segment_name(self) -> str:
-        return self.segment.name
-
-    @property
     def plan(self) -> LoadPlan:
         return LoadPlan(TransportKind.shared_memory, {"segment_name": self.segment.name})
 

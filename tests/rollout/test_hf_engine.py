@@ -117,7 +117,7 @@ async def test_borrowed_weights_are_copied_out_before_the_lender_reuses_its_buff
         yield weights.tensor_views(lender, tensors)
 
     monkeypatch.setattr(hf_engine, "open_tensors", lend)
-    plan = LoadPlan(TransportKind.cuda_ipc, {"version": 1, "zero_copy": True})
+    plan = LoadPlan(TransportKind.cuda_ipc, {"version": 1}, zero_copy=True)
     await engine.load_weights(plan, manifest, version=1)
     entry = next(e for e in manifest.tensors if e.name.endswith("q_proj.weight"))
     first = lender[entry.offset : entry.offset + 4].view(torch.float32)

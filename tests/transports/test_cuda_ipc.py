@@ -119,19 +119,13 @@ def test_gpu_export_attach_verify_and_zero_copy_views() -> None:
     assert message.checksum_algorithm == types_pb2.CHECKSUM_ALGORITHM_WSUM64
     target = transports.target_from_proto(message)
 
-    class SameProcessWorkers:  # the engine half in this process (a second process: tests/e2e)
-        def __init__(self) -> None:
-            self.worker = WorkerContext({}, 0, device)
-
-        async def call_workers(self, kind, op, spec):
-            return [transports.worker_op(kind, op, spec, self.worker)]
-
-    workers = SameProcessWorkers()
+    # the engine half in this process (a second process: scripts/gpu_check.py)
+    workers = transports.LocalWorkers(WorkerContext({}, 0, device))
     staged = asyncio.run(IPC.stage(target, StageContext("r", 30, workers)))
-    assert staged.plan.spec["zero_copy"]
+    assert staged.plan.zero_copy
     exporter = ctx.state["cuda_ipc"]
     base = exporter.buffers[3 % 2].data_ptr()
-    with transports.open_tensors(staged.plan, list(staged.manifest.tensors), workers.worker) as views:
+    with transports.open_tensors(staged.plan, list(staged.manifest.tensors), workers.workers[0]) as views:
         for name, view in views:
             assert torch.equal(view, state[name])
             assert base <= view.data_ptr() < base + exporter.buffers[1].numel()  # a view, not a copy

@@ -38,14 +38,11 @@ def _ctx(timeout: float = 5.0) -> PublishContext:
     return PublishContext("run", 4096, 1 << 20, lambda: "127.0.0.1:1", collective_timeout_s=timeout)
 
 
-class ThreadWorkers:
+class ThreadWorkers(transports.LocalWorkers):
     """A rollout's workers as threads of this process: each has its own transport state."""
 
     def __init__(self, count: int = 1) -> None:
-        self.workers = [WorkerContext({}, rank, torch.device("cpu")) for rank in range(count)]
-
-    async def call_workers(self, kind: str, op: str, spec: dict) -> list[dict]:
-        return [await asyncio.to_thread(transports.worker_op, kind, op, spec, w) for w in self.workers]
+        super().__init__(*(WorkerContext({}, rank, torch.device("cpu")) for rank in range(count)))
 
     def load(self, staged) -> dict[str, torch.Tensor]:
         tensors = list(staged.manifest.tensors)

@@ -3,7 +3,7 @@
 #
 #   make demo [STEPS=N] [RUN_DIR=runs/x] [ARGS="..."]   end-to-end run on this machine
 #   make test [PYTEST_ARGS="-m 'not slow'"]             the test suite (CI: .ci/run)
-#   make up [PROFILE=gpu]                               the four services in Docker Compose
+#   make up [PROFILE=gpu|gpu-nccl]                      the four services in Docker Compose
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -48,13 +48,13 @@ format: ## Apply ruff fixes and formatting.
 	$(RUFF) check --fix $(PY_DIRS)
 	$(RUFF) format $(PY_DIRS)
 
-gpu-check: ## On a machine with an NVIDIA GPU: GPU tests + cuda_ipc two-process check, one report.
+gpu-check: ## On an NVIDIA GPU machine: GPU tests, cuda_ipc two-process check, weight-transport benchmark; one report.
 	bash scripts/gpu_check.sh
 
 gpu-wheels: ## Download into .whl/ the wheels gpu-check needs on the GPU image (Python 3.12).
 	bash scripts/gpu_wheels.sh
 
-up: ## docker compose up (PROFILE=cpu, or PROFILE=gpu).
+up: ## docker compose up (PROFILE=cpu, PROFILE=gpu, or PROFILE=gpu-nccl with two GPUs).
 	docker compose --profile $(PROFILE) up --build
 
 clean: ## Remove caches and build artefacts (keeps .venv and runs/).

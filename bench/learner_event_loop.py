@@ -7,7 +7,8 @@ sends `grpc.health.v1/Check` every 5 ms and records each answer's latency. If an
 on the event loop, the probes queue behind it and the worst latency grows with the batch; when the
 loop only awaits the model thread, health stays at its idle latency.
 
-    .venv/bin/python bench/learner_event_loop.py --model .cache/tiny-model-random --groups 64 --tokens 256
+    make demo   # builds .cache/tiny-model-warm120 on first use (any local model directory works)
+    .venv/bin/python bench/learner_event_loop.py --model .cache/tiny-model-warm120 --groups 64 --tokens 256
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grpo.common.v1 import types_pb2
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
+from services.common.clients import open_channel
+from services.launch.processes import ServiceFailed, ServiceProcess
+
+MAX_MESSAGE_BYTES = 256 << 20  # one large TrainStep request
 
 
 def make_batch(vocab: int, groups: int, group_size: int, tokens: int) -> types_pb2.TrainBatch:
@@ -68,10 +70,11 @@ def summary(latencies: list[float]) -> dict[str, float]:
     }
 
 
-async def measure(address: str, batch: types_pb2.TrainBatch, idle_s: float) -> dict[str, dict[str, float]]:
-    async with grpc.aio.insecure_channel(
-        address, options=[("grpc.max_send_message_length", 256 << 20)]
-    ) as channel:
+async def measure(
+    learner_process: ServiceProcess, batch: types_pb2.TrainBatch, idle_s: float
+) -> dict[str, dict[str, float]]:
+    address = await learner_process.wait_ready(timeout=300)
+    async with open_channel(address, MAX_MESSAGE_BYTES) as channel:
         health, learner = health_pb2_grpc.HealthStub(channel), learner_pb2_grpc.LearnerServiceStub(channel)
         stop = asyncio.Event()
         idle = asyncio.create_task(probe(health, stop))
@@ -105,24 +108,19 @@ def main() -> None:
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     batch = make_batch(vocab, args.groups, args.group_size, args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        command = [
-            sys.executable, "-m", "services.learner", "--model", args.model, "--device", "cpu",
-            "--dtype", "float32", "--port", "0", "--port-file", str(port_file),
-            "--max-message-bytes", str(256 << 20),
-        ]  # fmt: skip
-        learner = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        learner = ServiceProcess(
+            "learner",
+            Path(tmp),
+            args=["--model", args.model, "--device", "cpu", "--dtype", "float32",
+                  "--max-message-bytes", str(MAX_MESSAGE_BYTES)],
+        )  # fmt: skip
+        learner.start()  # --port 0 --port-file; its log goes to <tmp>/logs/learner.log
         try:
-            deadline = time.monotonic() + 300
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if learner.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the learner did not start")
-                time.sleep(0.2)
-            address = f"127.0.0.1:{port_file.read_text().strip()}"
-            results = asyncio.run(measure(address, batch, args.idle_seconds))
+            results = asyncio.run(measure(learner, batch, args.idle_seconds))
+        except ServiceFailed as exc:
+            raise SystemExit(f"the learner did not start: {exc}") from None
         finally:
-            learner.terminate()
-            learner.wait(timeout=60)
+            learner.terminate(grace=60)
     tokens = args.groups * args.group_size * args.tokens
     print(f"batch: {args.groups} groups x {args.group_size} completions x {args.tokens} tokens = {tokens}")
     idle, busy = results["idle"], results["during_train_step"]

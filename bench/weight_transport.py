@@ -33,7 +33,7 @@ from services.learner.config import LearnerSettings
 from services.learner.server import LearnerApp
 from services.rollout.weight_sync import WeightStager
 from services.transports import WorkerContext
-from services.transports.registry import TRANSPORTS, kind_to_proto, target_from_proto, worker_op
+from services.transports.registry import TRANSPORTS, LocalWorkers, kind_to_proto, target_from_proto
 
 # Every implemented transport (grpc_stream first: the baseline the others are compared with).
 KINDS = {kind.value: kind_to_proto(kind) for kind in TRANSPORTS}
@@ -54,16 +54,6 @@ def build_model(directory: Path, hidden: int, layers: int, vocab: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-class InProcessWorkers:
-    """The rollout engine's one worker, in this process (as the transformers engine has it)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.worker = WorkerContext({}, 0, device)
-
-    async def call_workers(self, kind: str, op: str, spec: dict) -> list[dict]:
-        return [await asyncio.to_thread(worker_op, kind, op, spec, self.worker)]
-
-
 def copy_ms(nbytes: int, device: torch.device, repeats: int) -> float:
     """The medium's physical baseline: one plain copy of `nbytes` (host memcpy, or device to device)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
@@ -81,9 +71,7 @@ def copy_ms(nbytes: int, device: torch.device, repeats: int) -> float:
 
 
 async def measure(model_dir: Path, repeats: int, device: str) -> dict[str, dict]:
-    settings = LearnerSettings(
-        model=str(model_dir), device=device, dtype="float32", port=0, publish={"collective_timeout_s": 60}
-    )
+    settings = LearnerSettings(model=str(model_dir), device=device, dtype="float32", port=0)
     app = LearnerApp(settings)
     running = await start_server(app, settings)
     channel = open_channel(running.address)
@@ -100,8 +88,12 @@ async def measure(model_dir: Path, repeats: int, device: str) -> dict[str, dict]
             if name == "nccl" and nccl_device is None:
                 results[name] = {"skipped": "NCCL needs a second GPU (one rank per device)"}
                 continue
-            workers = InProcessWorkers(torch.device(nccl_device if name == "nccl" else device))
-            rows = results[name] = {"prepare_ms": [], "stage_ms": [], "bytes": []}
+            # the rollout engine's one worker, in this process (as the transformers engine has it)
+            workers = LocalWorkers(
+                WorkerContext({}, 0, torch.device(nccl_device if name == "nccl" else device))
+            )
+            medium = "device" if name == "cuda_ipc" or (name == "nccl" and device == "cuda") else "host"
+            rows = results[name] = {"medium": medium, "prepare_ms": [], "stage_ms": [], "bytes": []}
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 request = learner_pb2.PrepareWeightsRequest(transport=kind, receivers=receivers)
@@ -118,9 +110,6 @@ async def measure(model_dir: Path, repeats: int, device: str) -> dict[str, dict]
                 rows["prepare_ms"].append((t1 - t0) * 1e3)
                 rows["stage_ms"].append((t2 - t1) * 1e3)
                 rows["bytes"].append(prepared.weight_version.total_bytes)
-                rows["medium"] = (
-                    "device" if name == "cuda_ipc" or (name == "nccl" and device == "cuda") else "host"
-                )
     finally:
         await channel.close()
         await running.close()

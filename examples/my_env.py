@@ -52,7 +52,8 @@ class CountLettersEnv(Environment):
     Options: ClassVar[type[BaseModel]] = CountLettersOptions
     reward_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
-    # Prompt source: random access; the base class provides seeded, resumable cursors per split.
+    # Prompt source: random access, stateless. The service's PromptCursor (services/env/cursor.py)
+    # owns each split's position: it shuffles train per epoch, replays eval and resumes runs.
     def split_size(self, split: SplitName) -> int:
         return 0 if split == "train" else self.options.eval_size  # 0 = procedural (unbounded)
 

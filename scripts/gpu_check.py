@@ -69,6 +69,11 @@ REHEARSAL_SHAPE = {  # the same architecture, small enough for a CPU rehearsal
     "num_attention_heads": 4, "max_position_embeddings": 1024,
 }  # fmt: skip
 
+# Token ids of the TrainStep batches stay below this: the vocabulary of the tokenizer saved with every
+# model here (build_tokenizer's default vocab_size, services/launch/tiny_model.py), smaller than
+# either shape's vocab_size, so every id is one the model and its tokenizer both know.
+TOKENIZER_VOCAB = 384
+
 
 def build_model(directory: Path, shape: dict = QWEN25_05B) -> int:
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -147,7 +152,9 @@ def cuda_ipc_check(
         rollout_before_attach = gpu_memory_mib().get(rollout.pid, 0)
         times, diffs, memory_after_first = [], [], {}
         for step in range(syncs):
-            learner_stub.TrainStep(learner_pb2.TrainStepRequest(batch=batch(step, 384)), timeout=600)
+            learner_stub.TrainStep(
+                learner_pb2.TrainStepRequest(batch=batch(step, TOKENIZER_VOCAB)), timeout=600
+            )
             started = time.perf_counter()
             prepared = learner_stub.PrepareWeights(
                 learner_pb2.PrepareWeightsRequest(transport=kind),

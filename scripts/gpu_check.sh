@@ -3,7 +3,8 @@
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (made here by scripts/gpu_wheels.sh,
 # carried by the device tool); they are installed into /tmp/site, never into the image. Then
-# scripts/gpu_check.py runs the GPU tests and the two-process cuda_ipc check and prints one report.
+# scripts/gpu_check.py runs the GPU tests, the two-process cuda_ipc check and the weight-transport
+# benchmark (bench/weight_transport.py --device cuda) and prints one report.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}

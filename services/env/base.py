@@ -84,8 +84,12 @@ class Score:
 def failure(kind: str, message: str) -> Score:
     """A failed score of the given kind: failure text "<kind>: <message>", details["failure_kind"] = kind.
 
-    The kind is what failure counters are keyed by (`env/failures.<kind>`), so every failure path
-    (a raising `score_one`, a crashed worker, a NaN reward) labels itself the same way.
+    `details["failure_kind"]` is what failure counters are keyed by (`env/failures.<kind>`); every
+    failed score the service reports has one. The "<kind>: " text prefix is only on the failures
+    built here (a raising `score_one`, a timed-out or crashed worker, a NaN or out-of-range reward,
+    ...). Other failures keep their own text: a scorer's own `Score.failure`, `as_score`'s "scorer
+    returned None", a reward-function sum's "<term>: <failure>" parts. Read the kind from details,
+    not from the text.
     """
     return Score(reward=None, failure=f"{kind}: {message}", details={"failure_kind": kind})
 

@@ -104,8 +104,9 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServiceServicer):
             raise InvalidArgument(f"unknown split {request.split}")
         start = request.start if request.HasField("start") else None
         draw = await self.host.sample(request.n, _SPLITS[request.split], start)
+        env_name = self.host.name
         return env_pb2.SamplePromptsResponse(
-            prompts=[prompt_to_proto(item, self.host.name) for item in draw.prompts],
+            prompts=[prompt_to_proto(item, env_name) for item in draw.prompts],
             next_position=draw.next_position,
         )
 

@@ -11,14 +11,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grpo.env.v1 import env_pb2
 from grpo.learner.v1 import learner_pb2
 from grpo.rollout.v1 import rollout_pb2
 from grpo.scheduler.v1 import scheduler_pb2
-from services.common.clients import open_channel
+from services.common.clients import GrpcClient
+from services.common.errors import GrpoError
 from services.common.serve import service_names
 
 # The health-check name of each service: its readiness (the full service name, from the contract).
@@ -105,8 +105,7 @@ class ServiceProcess:
                     f"{self.name} did not bind a port within {timeout:.0f}s:\n{self.log_tail()}"
                 )
             await asyncio.sleep(0.2)
-        channel = open_channel(self.address)
-        stub = health_pb2_grpc.HealthStub(channel)
+        health = GrpcClient(self.address, health_pb2_grpc.HealthStub)
         try:
             while True:
                 self.check_alive()
@@ -114,17 +113,18 @@ class ServiceProcess:
                 if remaining <= 0:
                     raise ServiceFailed(f"{self.name} not ready within {timeout:.0f}s:\n{self.log_tail()}")
                 try:
-                    response = await stub.Check(
+                    response = await health.unary(
+                        "Check",
                         health_pb2.HealthCheckRequest(service=READINESS[self.name]),
-                        timeout=min(5.0, remaining),
+                        min(5.0, remaining),
                     )
                     if response.status == health_pb2.HealthCheckResponse.SERVING:
                         return self.address
-                except grpc.aio.AioRpcError:
+                except GrpoError:
                     pass  # not listening yet or still loading: poll again until the deadline
                 await asyncio.sleep(0.5)
         finally:
-            await channel.close()
+            await health.close()
 
     def terminate(self, grace: float = 30.0) -> int | None:
         """SIGTERM this process (our own pid, never by name); SIGKILL only if it ignores the grace period."""

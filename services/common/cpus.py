@@ -1,0 +1,80 @@
+"""Which CPU cores a service runs on (`--cpus 0-3,6`), and applying that choice to this process.
+
+On a machine where the learner and vLLM-CPU rollouts share the cores, both size their thread pools to
+the whole machine: torch's intra-op pool in the learner, vLLM's OpenMP workers (bound to cores) in the
+rollout. Each parallel op then waits for its slowest thread, which is the one sharing a core with the
+other process, so both run several times slower than either alone. Giving each service a disjoint
+set of cores removes that: the affinity is inherited by the service's threads and by the processes it
+starts (vLLM's engine and workers bind only to allowed cores), and torch sizes its pool to the set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from services.common.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def parse_cpu_list(spec: str) -> frozenset[int]:
+    """'0-3,6' → {0, 1, 2, 3, 6}; '' → empty (all cores). ValueError with the offending part."""
+    cores: set[int] = set()
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        low, sep, high = part.partition("-")
+        try:
+            first, last = int(low), int(high) if sep else int(low)
+        except ValueError:
+            raise ValueError(f"{part!r} is not a core number or a range like 2-5") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{part!r} is not a valid range (first ≤ last, both ≥ 0)")
+        cores.update(range(first, last + 1))
+    return frozenset(cores)
+
+
+def format_cpu_list(cores: frozenset[int] | set[int] | list[int]) -> str:
+    """{0, 1, 2, 6} → '0-2,6' (the inverse of parse_cpu_list)."""
+    ordered = sorted(cores)
+    parts: list[str] = []
+    start = prev = None
+    for core in [*ordered, None]:
+        if start is not None and (core is None or core != prev + 1):
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if core is not None and start is None:
+            start = core
+        prev = core
+    return ",".join(parts)
+
+
+def split_cores(cores: list[int], fraction: float) -> tuple[list[int], list[int]]:
+    """Two disjoint non-empty halves of `cores` (the first gets round(fraction·n), at least one each).
+    With a single core there is nothing to split: both get it."""
+    if len(cores) < 2:
+        return list(cores), list(cores)
+    first = min(len(cores) - 1, max(1, round(fraction * len(cores))))
+    return cores[:first], cores[first:]
+
+
+def apply_cpu_affinity(spec: str) -> None:
+    """Restrict this process (and what it starts later) to the cores in `spec`; '' leaves it alone.
+
+    Also sets OMP_NUM_THREADS for child processes and torch's intra-op pool if torch is loaded, since
+    both were sized from the whole machine before this ran.
+    """
+    cores = parse_cpu_list(spec)
+    if not cores:
+        return
+    available = os.sched_getaffinity(0)
+    if not cores <= available:
+        raise ValueError(f"--cpus {spec}: cores {format_cpu_list(cores - available)} are not available here")
+    os.sched_setaffinity(0, cores)
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))
+    if "torch" in sys.modules:
+        import torch
+
+        torch.set_num_threads(len(cores))
+    log.info("cpu affinity set", cpus=format_cpu_list(cores), threads=len(cores))

@@ -1,0 +1,72 @@
+"""CPU core sets: parsing, formatting, splitting, the `cpus` setting, and applying it to a real process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.common.cpus import format_cpu_list, parse_cpu_list, split_cores
+from services.learner.config import LearnerSettings
+
+
+def test_parse_lists_and_ranges() -> None:
+    assert parse_cpu_list("") == frozenset()
+    assert parse_cpu_list("3") == {3}
+    assert parse_cpu_list("0-2, 6,8-9") == {0, 1, 2, 6, 8, 9}
+
+
+@pytest.mark.parametrize("spec", ["a", "3-1", "-1", "1-x", "0--2"])
+def test_parse_rejects_with_the_offending_part(spec: str) -> None:
+    with pytest.raises(ValueError, match="not a"):
+        parse_cpu_list(spec)
+
+
+@given(st.sets(st.integers(min_value=0, max_value=200), max_size=40))
+def test_format_is_the_inverse_of_parse(cores: set[int]) -> None:
+    assert parse_cpu_list(format_cpu_list(cores)) == cores
+
+
+def test_format_compresses_runs() -> None:
+    assert format_cpu_list({0, 1, 2, 6, 8, 9}) == "0-2,6,8-9"
+
+
+def test_split_gives_two_disjoint_nonempty_sets() -> None:
+    assert split_cores([0, 1], 0.5) == ([0], [1])
+    assert split_cores([0, 1, 2, 3, 4, 5, 6, 7], 0.25) == ([0, 1], [2, 3, 4, 5, 6, 7])
+    assert split_cores([0, 1, 2], 0.01) == ([0], [1, 2])
+    assert split_cores([0, 1, 2], 0.99) == ([0, 1], [2])
+    assert split_cores([5], 0.5) == ([5], [5])  # one core: nothing to split
+
+
+def test_cpus_setting_is_validated() -> None:
+    assert LearnerSettings.load(model="m", cpus="0").cpus == "0"
+    with pytest.raises(ValueError, match="not a core number"):
+        LearnerSettings.load(model="m", cpus="zero")
+
+
+def test_apply_pins_the_process_its_children_and_torch() -> None:
+    core = min(os.sched_getaffinity(0))
+    code = (
+        "import os, subprocess, sys, torch\n"
+        "from services.common.cpus import apply_cpu_affinity\n"
+        f"apply_cpu_affinity('{core}')\n"
+        "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'],"
+        " capture_output=True, text=True, check=True).stdout.strip()\n"
+        "print(sorted(os.sched_getaffinity(0)), child, torch.get_num_threads(),"
+        " os.environ['OMP_NUM_THREADS'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == f"[{core}] [{core}] 1 1"
+
+
+def test_apply_refuses_cores_the_process_may_not_use() -> None:
+    from services.common.cpus import apply_cpu_affinity
+
+    missing = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match="not available"):
+        apply_cpu_affinity(str(missing))

@@ -128,6 +128,14 @@ class ServiceSettings(BaseSettings):
         "fight over cores (the demo does this itself).",
     )
 
+    nice: int = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description="Scheduling niceness added to this process and the processes it starts (0-19). A "
+        "rollout at 19 next to a learner at 0 on shared cores takes only the CPU the learner leaves idle.",
+    )
+
     @field_validator("cpus")
     @classmethod
     def _check_cpus(cls, value: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 import uuid
@@ -223,4 +224,6 @@ def run_service(name: str, build_app: Callable[[], ServiceApp], settings: Servic
     """Process entry point shared by `python -m services.<svc>`."""
     configure_logging(settings.log_level, service=name)
     apply_cpu_affinity(settings.cpus)
+    if settings.nice:
+        os.nice(settings.nice)  # inherited by every process this service starts (vLLM's engine and workers)
     uvloop.run(serve_until_signalled(build_app(), settings))

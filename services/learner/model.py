@@ -85,12 +85,19 @@ def vocab_size(model: torch.nn.Module) -> int:
 def token_logprobs(
     model: torch.nn.Module, mb: MicroBatch, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs of the completion tokens [B, T] (and entropies [B, T], detached) under `model`."""
+    """Logprobs of the completion tokens [B, T] (and entropies [B, T], detached) under `model`.
+
+    The LM head runs only from the first position that predicts a completion token on (transformers'
+    `logits_to_keep`): prompt positions' logits are never needed, and for a real vocabulary the head
+    and its [B, L, V] output are a large share of the step.
+    """
+    first = int(mb.positions[:, 0].min())  # earliest position predicting a completion token
+    keep = torch.arange(first, mb.input_ids.shape[1] - 1, device=mb.input_ids.device)  # [K]
     logits = model(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
-    ).logits  # [B, L, V]
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, logits_to_keep=keep
+    ).logits  # [B, K, V], logits[:, k] at position first + k
     rows = torch.arange(logits.shape[0], device=logits.device)[:, None]  # [B, 1]
-    picked = logits[rows, mb.positions].float()  # [B, T, V]
+    picked = logits[rows, (mb.positions - first).clamp(min=0)].float()  # [B, T, V] (padding: any row)
     picked = picked / mb.temperature[:, None, None]
     logprobs_all = torch.log_softmax(picked, dim=-1)  # [B, T, V]
     logp = logprobs_all.gather(-1, mb.completion_ids[..., None]).squeeze(-1)  # [B, T]

@@ -64,6 +64,20 @@ def test_apply_pins_the_process_its_children_and_torch() -> None:
     assert out.strip().splitlines()[-1] == f"[{core}] [{core}] 1 1"
 
 
+def test_nice_is_validated_and_applied_to_the_service_process(tmp_path) -> None:
+    with pytest.raises(ValueError):
+        LearnerSettings.load(model="m", nice=20)
+    code = (
+        "import os\n"
+        "from services.common import serve\n"
+        "from services.learner.config import LearnerSettings\n"
+        "serve.uvloop.run = lambda coro: (coro.close(), print(os.nice(0)))\n"
+        "serve.run_service('learner', lambda: None, LearnerSettings.load(model='m', nice=7))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == str(os.nice(0) + 7)
+
+
 def test_apply_refuses_cores_the_process_may_not_use() -> None:
     from services.common.cpus import apply_cpu_affinity
 

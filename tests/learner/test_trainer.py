@@ -20,6 +20,7 @@ from services.learner.config import (
     OptimConfig,
     PublishConfig,
 )
+from services.learner.model import token_logprobs
 from services.learner.trainer import Trainer, lr_factor
 
 
@@ -117,6 +118,24 @@ def test_score_equals_direct_log_softmax(micro_model_dir):
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     expected = [logprobs[len(prompt) - 1 + k, tok].item() for k, tok in enumerate(completion)]
     assert trainer.score(scored(prompt, completion, temperature)) == pytest.approx(expected, abs=1e-5)
+
+
+def test_batched_logprobs_use_only_completion_logits_and_match_each_row_alone(micro_model_dir, make_samples):
+    # prompts of 1..9 tokens and completions of 1..7 in one right-padded micro-batch: the LM head runs
+    # from the earliest completion-predicting position on, and every row still equals its own full
+    # forward (a long prompt with a one-token completion puts its position past the kept window's start)
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir, dtype=torch.float32).eval()
+    samples = make_samples(12, seed=5, max_prompt=9, max_completion=7)
+    samples.append(Sample((1,) * 9, (2,), (-4.0,), 1.0, 1.0))
+    with torch.no_grad():
+        logp, entropy = token_logprobs(model, collate(samples), with_entropy=True)  # [B, T]
+        for row, s in enumerate(samples):
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
+            full = torch.log_softmax(model(input_ids=ids).logits[0].double() / s.temperature, dim=-1)
+            p = len(s.prompt_ids)
+            expected = [full[p - 1 + k, tok].item() for k, tok in enumerate(s.completion_ids)]
+            assert logp[row, : len(expected)].tolist() == pytest.approx(expected, abs=1e-5)
+            assert torch.isfinite(entropy[row]).all()
 
 
 def test_full_export_has_hf_names_and_tied_lm_head(micro_model_dir):

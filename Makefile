@@ -1,7 +1,7 @@
 # grpo-mesh developer entry points. Everything runs from the project virtualenv (.venv), which
 # `make install` creates and keeps in sync with pyproject.toml (scripts/install.sh; a no-op when current).
 #
-#   make demo [STEPS=N] [RUN_DIR=runs/x] [ARGS="..."]   end-to-end run on this machine
+#   make demo [MODEL=smollm2] [STEPS=N] [RUN_DIR=runs/x] [ARGS="..."]   end-to-end run on this machine
 #   make test [PYTEST_ARGS="-m 'not slow'"]             the test suite (CI: .ci/run)
 #   make up [PROFILE=gpu|gpu-nccl]                      the four services in Docker Compose
 
@@ -17,7 +17,7 @@ PROFILE ?= cpu
 PY_DIRS := services tests scripts bench
 
 # Passed to the launcher only when set, so its own defaults apply otherwise.
-DEMO_FLAGS := $(if $(STEPS),--steps $(STEPS)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)
+DEMO_FLAGS := $(if $(MODEL),--model $(MODEL)) $(if $(STEPS),--steps $(STEPS)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)
 
 .PHONY: help install demo test proto lint format up clean gpu-check gpu-wheels
 
@@ -27,7 +27,7 @@ help: ## List the targets.
 install: ## Create/refresh .venv (idempotent; CPU or GPU build chosen by nvidia-smi).
 	bash scripts/install.sh
 
-demo: install ## Train end to end on this machine (STEPS=, RUN_DIR=, ARGS=).
+demo: install ## Train end to end on this machine (MODEL=smollm2, STEPS=, RUN_DIR=, ARGS=).
 	$(PY) -m services.launch demo $(DEMO_FLAGS)
 
 test: install ## Run the test suite; collecting no tests is a failure.

@@ -25,6 +25,8 @@ from tqdm import tqdm
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.advantages import LossKind
 from services.common.clients import GrpcClient
+from services.common.cpus import format_cpu_list, split_cores
+from services.launch import pretrained
 from services.launch.processes import ServiceFailed, ServiceProcess
 from services.launch.report import last_row, plot_reward, read_metrics, summarize
 from services.launch.tiny_model import DEMO_TASK, build_tiny_model
@@ -48,12 +50,22 @@ class DemoSettings(BaseSettings):
     run_dir: Path = Field(
         default=Path("runs/demo"), description="Output directory (metrics.jsonl, reward.png, logs/)."
     )
-    model: str = Field(default="", description="HF model id or local path; empty = build the tiny model.")
+    model: str = Field(
+        default="",
+        description="HF model id or local path; empty = build the tiny model; smollm2-135m = SmolLM2-135M-"
+        "Instruct from PyPI with its own preset of the other options (docs/real-model.md).",
+    )
     warm_start_steps: int = Field(
         default=120, ge=0, description="Supervised warm-start steps of the tiny model."
     )
     engine: Literal["auto", "vllm", "transformers"] = Field(default="auto", description="Rollout engine.")
     rollouts: int = Field(default=1, ge=1, description="Number of rollout processes.")
+    cpus: Literal["split", "shared"] = Field(
+        default="split",
+        description="split: the learner and the rollouts get disjoint halves of this machine's cores (each "
+        "rollout its own share when there are enough), so their thread pools never fight over a core; "
+        "shared: every service may use every core.",
+    )
     env: str = Field(
         default="arithmetic", description="Environment spec (built-in name, module:Class, file.py:Class)."
     )
@@ -61,6 +73,12 @@ class DemoSettings(BaseSettings):
     loss: LossKind = Field(default=LossKind.grpo, description="Objective.")
     lr: float = Field(default=4e-4, gt=0, description="Learner learning rate.")
     warmup_steps: int = Field(default=30, ge=0, description="Learner linear LR warmup steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        default="cosine",
+        description="LR after warmup: cosine decays to --min-lr-ratio × lr at the last step (a policy that "
+        "settles instead of oscillating at full LR to the end), constant keeps lr.",
+    )
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     lora_rank: int = Field(default=0, ge=0, description="LoRA rank; 0 = full fine-tune.")
     transport: ImplementedTransport = Field(
         default=TransportKind.grpc_stream,
@@ -70,11 +88,19 @@ class DemoSettings(BaseSettings):
     groups_per_batch: int = Field(default=16, ge=1, description="Prompt groups per step.")
     max_tokens: int = Field(default=6, ge=1, description="Max completion tokens.")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
+    eval_temperature: float | None = Field(
+        default=None, gt=0, description="Eval sampling temperature; unset = --temperature."
+    )
     max_staleness: int = Field(default=1, ge=0, description="Max policy lag in versions.")
-    eval_every: int = Field(default=50, ge=0, description="Evaluate every N steps (and at step 0); 0 = off.")
+    seed: int | None = Field(
+        default=None,
+        description="Seed of the run: the env's prompt stream (and its held-out split), the learner and "
+        "the rollout engines; unset = each service's default (0).",
+    )
+    eval_every: int = Field(default=100, ge=0, description="Evaluate every N steps (and at step 0); 0 = off.")
     eval_prompts: int = Field(default=200, ge=1, description="Held-out prompts per evaluation.")
     eval_samples: int = Field(
-        default=4, ge=1, description="Completions per held-out prompt (accuracy over all)."
+        default=8, ge=1, description="Completions per held-out prompt (accuracy over all)."
     )
     startup_timeout: float = Field(
         default=900.0, gt=0, description="Seconds for all services to become ready."
@@ -85,19 +111,28 @@ def run_config(cfg: DemoSettings, model: str) -> dict:
     """The one run-config file shared by the four services (a table each)."""
     env_args = {} if cfg.env_arg or cfg.env != "arithmetic" else dict(DEMO_TASK)
     run_dir = cfg.run_dir.resolve()
+    seed = {} if cfg.seed is None else {"seed": cfg.seed}
     return {
-        "env": {"spec": cfg.env, "env_args": env_args, "env_arg": cfg.env_arg},
+        "env": {"spec": cfg.env, "env_args": env_args, "env_arg": cfg.env_arg, **seed},
         "learner": {
             "model": model,
+            **seed,
             "dtype": "float32",
             "loss": {"kind": cfg.loss.value, "max_completion_len": cfg.max_tokens},
-            "optim": {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps},
+            "optim": {
+                "lr": cfg.lr,
+                "warmup_steps": cfg.warmup_steps,
+                "schedule": cfg.lr_schedule,
+                "total_steps": cfg.steps,
+                "min_lr_ratio": cfg.min_lr_ratio,
+            },
             "lora": {"rank": cfg.lora_rank},
             "checkpoint": {"dir": str(run_dir / "checkpoints")},
         },
         "rollout": {
             "model": model,
             "engine": cfg.engine,
+            **seed,
             "dtype": "float32",
             "max_in_flight": cfg.groups_per_batch * (cfg.max_staleness + 1),
             "vllm": {"kv_cache_space_gib": 1},
@@ -111,10 +146,27 @@ def run_config(cfg: DemoSettings, model: str) -> dict:
             "eval_every": cfg.eval_every,
             "eval_prompts": cfg.eval_prompts,
             "eval_samples": cfg.eval_samples,
+            "eval_temperature": cfg.eval_temperature or cfg.temperature,
             "run_dir": str(run_dir),
             "sampling": {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens},
         },
     }
+
+
+def core_plan(cfg: DemoSettings) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """`GRPO_<SVC>__CPUS` for the learner and each rollout: disjoint halves of the cores under `split`
+    (rollouts share theirs when there are more rollouts than cores), nothing under `shared` or on a
+    single core. The env and scheduler stay unpinned: they are light and mostly wait."""
+    cores = sorted(os.sched_getaffinity(0))
+    if cfg.cpus == "shared" or len(cores) < 2:
+        return {}, [{} for _ in range(cfg.rollouts)]
+    rollout_cores, learner_cores = split_cores(cores, 0.5)
+    if len(rollout_cores) >= cfg.rollouts:
+        shares = [rollout_cores[i :: cfg.rollouts] for i in range(cfg.rollouts)]
+    else:
+        shares = [rollout_cores] * cfg.rollouts
+    learner = {"GRPO_LEARNER__CPUS": format_cpu_list(learner_cores)}
+    return learner, [{"GRPO_ROLLOUT__CPUS": format_cpu_list(share)} for share in shares]
 
 
 async def follow(
@@ -144,7 +196,10 @@ async def run_demo(cfg: DemoSettings) -> int:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "metrics.jsonl").unlink(missing_ok=True)
     model = cfg.model
-    if not model:
+    if known := pretrained.lookup(model):
+        model = str(await asyncio.to_thread(pretrained.prepare_model, known, REPO / ".cache"))
+        print(f"{known.name}: {model}", flush=True)
+    elif not model:
         model_dir = default_model_dir(cfg.warm_start_steps)
         print(f"tiny model: {model_dir} (built once)", flush=True)
         model = str(
@@ -153,10 +208,18 @@ async def run_demo(cfg: DemoSettings) -> int:
     config_path = cfg.run_dir / "run.toml"
     config_path.write_text(tomli_w.dumps(run_config(cfg, model)))
     common = ["--config", str(config_path)]
-    workers = [ServiceProcess("env", cfg.run_dir, common), ServiceProcess("learner", cfg.run_dir, common)]
+    learner_cpus, rollout_cpus = core_plan(cfg)
+    workers = [
+        ServiceProcess("env", cfg.run_dir, common),
+        ServiceProcess("learner", cfg.run_dir, common, env=learner_cpus),
+    ]
     workers += [
         ServiceProcess(
-            "rollout", cfg.run_dir, [*common, "--rollout-id", f"rollout-{i}"], label=f"rollout-{i}"
+            "rollout",
+            cfg.run_dir,
+            [*common, "--rollout-id", f"rollout-{i}"],
+            env=rollout_cpus[i],
+            label=f"rollout-{i}",
         )
         for i in range(cfg.rollouts)
     ]
@@ -209,6 +272,6 @@ def main(argv: list[str]) -> int:
     source = CliSettingsSource(
         DemoSettings, cli_prog_name="python -m services.launch demo", cli_kebab_case=True
     )
-    cfg = DemoSettings(_cli_settings_source=source(args=argv))
+    cfg = pretrained.with_model_preset(DemoSettings(_cli_settings_source=source(args=argv)))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return asyncio.run(run_demo(cfg))

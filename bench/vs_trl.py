@@ -1,0 +1,306 @@
+"""grpo-mesh end to end against TRL's synchronous `GRPOTrainer` on identical work, in one run.
+
+Both sides train the same randomly initialised Qwen2 (the demo's tokenizer, `--hidden` × `--layers`),
+on the same arithmetic prompts ("3+5="; the `arithmetic` env's train stream), with the same exact-match
+reward, group size G, prompts per optimizer step, completion length cap, temperature 1, fp32, AdamW at
+a constant LR with gradient clipping 1.0, no KL term, the `grpo` objective and one optimizer step per
+batch. A random model rarely emits EOS, so completions run to the cap on both sides (the mean
+completion length is printed for each). TRL generates with transformers' `generate`
+(`use_vllm=False`: its vLLM modes need a GPU); grpo-mesh runs its four services as processes
+(`make demo`'s launcher) with vLLM rollouts, one step of staleness and the chosen weight transport.
+
+Each side runs in its own subprocess (no shared torch state), alternating sides for `--repeats`
+rounds so run-order effects cancel. Printed per side: steady optimizer steps/s and completions/s (the
+first `--skip` steps excluded: start-up, compilation, the first weight sync), the learner's idle
+fraction (wall time of the steady window not spent in a train step; for TRL, the time spent
+generating and scoring), and the ratio grpo-mesh / TRL of steps/s — above 1.0 grpo-mesh is faster.
+
+    .venv/bin/pip install -e '.[bench]'      # TRL, for this benchmark only
+    .venv/bin/python bench/vs_trl.py                                   # tiny: 128 × 2, 24 tokens
+    .venv/bin/python bench/vs_trl.py --hidden 512 --layers 10 --max-tokens 128 --steps 12 --skip 3
+    .venv/bin/python bench/vs_trl.py --engine transformers             # grpo-mesh with HF-generate rollouts
+
+By default grpo-mesh runs as `make demo` does (`--cpus split`: the rollout gets half the cores and the
+learner the other half, so vLLM's core-bound OpenMP threads and torch's pool never share a core);
+`--cpus shared` lets every service use every core, to measure what the split buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from services.env.builtins.arithmetic import ArithmeticEnv, ArithmeticOptions, score_answer  # noqa: E402
+from services.launch.tiny_model import DEMO_TASK, build_tiny_model  # noqa: E402
+
+
+def model_dir(hidden: int, layers: int) -> Path:
+    return REPO / ".cache" / f"bench-qwen2-h{hidden}-l{layers}"
+
+
+# ---------------------------------------------------------------------------------------------- TRL side
+
+
+def run_trl(args: argparse.Namespace) -> dict:
+    """Train with TRL's GRPOTrainer in this process; steady-state timings from a step callback."""
+    try:
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as exc:
+        raise SystemExit(f"TRL is not installed ({exc}); run: .venv/bin/pip install -e '.[bench]'") from exc
+    from transformers import TrainerCallback
+
+    env = ArithmeticEnv(ArithmeticOptions(**DEMO_TASK))
+    items = [env.prompt_at("train", i) for i in range(args.steps * args.prompts_per_step)]
+    dataset = Dataset.from_list([{"prompt": p.text, "answer": p.reference_answer} for p in items])
+
+    def exact_match(prompts, completions, answer, **_):
+        return [score_answer(c, a)[0] for c, a in zip(completions, answer, strict=True)]
+
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="vs-trl-"),
+        per_device_train_batch_size=args.prompts_per_step * args.group_size,
+        gradient_accumulation_steps=1,
+        num_generations=args.group_size,
+        num_iterations=1,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        beta=0.0,
+        loss_type="grpo",
+        epsilon=0.2,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        max_steps=args.steps,
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        shuffle_dataset=False,
+        disable_tqdm=True,
+        seed=args.seed,
+    )
+    stamps: list[float] = []
+    generation_s: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            stamps.append(time.perf_counter())
+
+    trainer = GRPOTrainer(
+        model=str(args.model),
+        reward_funcs=exact_match,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[Stamp()],
+    )
+    generate = trainer._generate_and_score_completions  # TRL's whole rollout phase: generate + reward
+
+    def timed_generate(*a, **kw):
+        started = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            generation_s.append(time.perf_counter() - started)
+
+    trainer._generate_and_score_completions = timed_generate
+    started = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - started
+    history = [row for row in trainer.state.log_history if "reward" in row]
+    lengths = [row["completions/mean_length"] for row in history if "completions/mean_length" in row]
+    skip = args.skip
+    window = stamps[-1] - stamps[skip - 1]
+    steps = len(stamps) - skip
+    gen = sum(generation_s[skip:])
+    return {
+        "side": "trl",
+        "steps_per_s": steps / window,
+        "completions_per_s": steps * args.prompts_per_step * args.group_size / window,
+        "learner_idle": gen / window,
+        "generation_s": statistics.median(generation_s[skip:]),
+        "train_s": (window - gen) / steps,
+        "completion_len": statistics.mean(lengths) if lengths else float("nan"),
+        "reward_first": history[0]["reward"] if history else float("nan"),
+        "reward_last": history[-1]["reward"] if history else float("nan"),
+        "wall_s": total,
+    }
+
+
+# ---------------------------------------------------------------------------------------- grpo-mesh side
+
+
+def run_mesh(args: argparse.Namespace) -> dict:
+    """`make demo`'s launcher with the same settings; timings from its metrics.jsonl."""
+    run_dir = Path(tempfile.mkdtemp(prefix="vs-trl-mesh-"))
+    command = [
+        sys.executable,
+        "-m",
+        "services.launch",
+        "demo",
+        "--model",
+        str(args.model),
+        "--steps",
+        str(args.steps),
+        "--run-dir",
+        str(run_dir),
+        "--group-size",
+        str(args.group_size),
+        "--groups-per-batch",
+        str(args.prompts_per_step),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--lr",
+        str(args.lr),
+        "--warmup-steps",
+        "0",
+        "--eval-every",
+        "0",
+        "--transport",
+        args.transport,
+        "--engine",
+        args.engine,
+    ]
+    command += ["--cpus", args.cpus]
+    started = time.perf_counter()
+    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    total = time.perf_counter() - started
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "learner/step_time_s" in r]
+    steady = rows[args.skip :]
+    window = steady[-1]["time"] - rows[args.skip - 1]["time"]
+    steps = len(steady)
+    train = sum(r["learner/step_time_s"] for r in steady)
+    gen = [r["generation_s"] for r in steady if "generation_s" in r]
+    return {
+        "side": "grpo-mesh",
+        "steps_per_s": steps / window,
+        "completions_per_s": steps * args.prompts_per_step * args.group_size / window,
+        "learner_idle": 1.0 - train / window,
+        "generation_s": statistics.median(gen) if gen else float("nan"),
+        "train_s": train / steps,
+        "sync_s": statistics.median(r.get("sync_ms", 0.0) for r in steady) / 1e3,
+        "completion_len": statistics.mean(r["learner/completion_len_mean"] for r in rows),
+        "reward_first": rows[0]["reward_mean"],
+        "reward_last": rows[-1]["reward_mean"],
+        "wall_s": total,
+        "run_dir": str(run_dir),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def side_command(args: argparse.Namespace, side: str) -> list[str]:
+    flags = ["--side", side, "--model", str(args.model), "--steps", str(args.steps), "--skip", str(args.skip)]
+    flags += ["--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size)]
+    flags += ["--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--transport", args.transport]
+    flags += ["--seed", str(args.seed), "--engine", args.engine, "--cpus", args.cpus]
+    return [sys.executable, str(Path(__file__).resolve()), *flags]
+
+
+def run_side(args: argparse.Namespace, side: str) -> dict:
+    out = subprocess.run(side_command(args, side), cwd=REPO, check=True, stdout=subprocess.PIPE, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarize(results: list[dict]) -> dict:
+    by_side: dict[str, list[dict]] = {}
+    for r in results:
+        by_side.setdefault(r["side"], []).append(r)
+    summary = {
+        side: {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], float)}
+        for side, rs in by_side.items()
+    }
+    ratios = [
+        m["steps_per_s"] / t["steps_per_s"]
+        for m, t in zip(by_side["grpo-mesh"], by_side["trl"], strict=False)
+    ]
+    summary["ratio_steps_per_s"] = {"median": statistics.median(ratios), "each": ratios}
+    return summary
+
+
+def print_table(summary: dict, args: argparse.Namespace) -> None:
+    print(
+        f"\nmodel {args.model.name}: G={args.group_size} × {args.prompts_per_step} prompts/step, "
+        f"≤{args.max_tokens} tokens, steps {args.skip + 1}..{args.steps} (medians of {args.repeats} rounds)"
+    )
+    keys = ["steps_per_s", "completions_per_s", "learner_idle", "generation_s", "train_s", "completion_len"]
+    print(f"{'':>10} " + " ".join(f"{k:>17}" for k in keys))
+    for side in ("trl", "grpo-mesh"):
+        row = summary[side]
+        print(f"{side:>10} " + " ".join(f"{row.get(k, float('nan')):>17.3f}" for k in keys))
+    ratio = summary["ratio_steps_per_s"]
+    each = ", ".join(f"{r:.2f}" for r in ratio["each"])
+    print(f"grpo-mesh / TRL optimizer steps/s: {ratio['median']:.2f}× (rounds: {each})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=128, help="Model width (multiple of 64).")
+    parser.add_argument("--layers", type=int, default=2, help="Model depth.")
+    parser.add_argument("--model", type=Path, help="A model directory instead of --hidden/--layers.")
+    parser.add_argument("--steps", type=int, default=40, help="Optimizer steps per side and round.")
+    parser.add_argument("--skip", type=int, default=5, help="First steps left out of the steady window.")
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--transport", default="shared_memory", help="grpo-mesh weight transport.")
+    parser.add_argument(
+        "--engine", default="vllm", choices=["vllm", "transformers"], help="grpo-mesh rollout engine."
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=2, help="Rounds; sides alternate in order.")
+    parser.add_argument(
+        "--cpus",
+        default="split",
+        choices=["split", "shared"],
+        help="grpo-mesh: how learner and rollouts share the cores (the demo's --cpus).",
+    )
+    parser.add_argument("--side", choices=["trl", "grpo-mesh"], help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="Print the summary as JSON.")
+    args = parser.parse_args(argv)
+    if args.skip < 1 or args.steps <= args.skip + 1:
+        parser.error("need 1 <= --skip < --steps - 1")
+    if args.model is None:
+        args.model = build_tiny_model(
+            model_dir(args.hidden, args.layers), hidden=args.hidden, layers=args.layers
+        )
+    if args.side:
+        result = run_trl(args) if args.side == "trl" else run_mesh(args)
+        print(json.dumps(result))
+        return 0
+    results = []
+    for round_ in range(args.repeats):
+        order = ["trl", "grpo-mesh"] if round_ % 2 == 0 else ["grpo-mesh", "trl"]
+        for side in order:
+            result = run_side(args, side)
+            results.append(result)
+            print(
+                f"round {round_ + 1} {side:>10}: {result['steps_per_s']:.3f} steps/s, "
+                f"idle {result['learner_idle']:.2f}, wall {result['wall_s']:.0f} s",
+                flush=True,
+            )
+    summary = summarize(results)
+    print(json.dumps(summary, indent=2) if args.json else "", end="")
+    print_table(summary, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

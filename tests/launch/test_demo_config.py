@@ -1,0 +1,48 @@
+"""The demo launcher's run config: core split between learner and rollouts, seed, LR schedule."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from services.launch.demo import DemoSettings, core_plan, run_config
+
+
+def _cores(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)))
+
+
+def test_split_gives_learner_and_rollout_disjoint_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    _cores(monkeypatch, 2)
+    learner, rollouts = core_plan(DemoSettings())
+    assert learner == {"GRPO_LEARNER__CPUS": "1"}
+    assert rollouts == [{"GRPO_ROLLOUT__CPUS": "0"}]
+
+
+def test_rollouts_get_their_own_share_when_there_are_enough_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    _cores(monkeypatch, 8)
+    learner, rollouts = core_plan(DemoSettings(rollouts=2))
+    assert learner == {"GRPO_LEARNER__CPUS": "4-7"}
+    assert rollouts == [{"GRPO_ROLLOUT__CPUS": "0,2"}, {"GRPO_ROLLOUT__CPUS": "1,3"}]
+    _cores(monkeypatch, 2)
+    assert core_plan(DemoSettings(rollouts=3))[1] == [{"GRPO_ROLLOUT__CPUS": "0"}] * 3
+
+
+def test_shared_or_single_core_pins_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    _cores(monkeypatch, 4)
+    assert core_plan(DemoSettings(cpus="shared")) == ({}, [{}])
+    _cores(monkeypatch, 1)
+    assert core_plan(DemoSettings(rollouts=2)) == ({}, [{}, {}])
+
+
+def test_seed_reaches_env_learner_and_rollout_only_when_given() -> None:
+    config = run_config(DemoSettings(seed=3), "model-dir")
+    assert config["env"]["seed"] == config["learner"]["seed"] == config["rollout"]["seed"] == 3
+    config = run_config(DemoSettings(), "model-dir")
+    assert "seed" not in config["env"] and "seed" not in config["learner"] and "seed" not in config["rollout"]
+
+
+def test_cosine_schedule_spans_the_run() -> None:
+    optim = run_config(DemoSettings(steps=123), "model-dir")["learner"]["optim"]
+    assert optim["schedule"] == "cosine" and optim["total_steps"] == 123 and optim["min_lr_ratio"] == 0.1

@@ -15,6 +15,7 @@ every completion into another type and back would be O(tokens) work on the sched
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -54,6 +55,7 @@ class ScoredGroup:
     completions: list[types_pb2.Completion]
     rewards: list[float]
     reward_infos: Sequence[types_pb2.RewardInfo] = ()
+    versions: AbstractSet[int] = frozenset()  # weight versions that produced its tokens (read once)
 
 
 @dataclass

@@ -61,6 +61,7 @@ class GroupLedger:
     def __init__(self, sink: Callable[[LedgerEvent], None] | None = None) -> None:
         self._groups: dict[str, GroupRecord] = {}
         self._counts: Counter[GroupState] = Counter()
+        self._open = 0  # issued, not yet trained or dropped
         self._attempts: Counter[str] = Counter()
         self._sink = sink
 
@@ -70,6 +71,7 @@ class GroupLedger:
         self._attempts[prompt_id] += 1
         record = GroupRecord(f"{prompt_id}#{attempt}", prompt_id, attempt, version)
         self._groups[record.group_id] = record
+        self._open += 1
         self._record(record, GroupState.ISSUED, "")
         return record
 
@@ -78,6 +80,8 @@ class GroupLedger:
         if state not in _NEXT[record.state]:
             raise FailedPrecondition(f"group {group_id} cannot go from {record.state} to {state}")
         self._counts[record.state] -= 1
+        if state in TERMINAL:
+            self._open -= 1
         self._record(record, state, reason)
         return record
 
@@ -91,8 +95,8 @@ class GroupLedger:
         return {state.value: self._counts[state] for state in GroupState}
 
     def in_pipeline(self) -> int:
-        """Groups issued but neither trained nor dropped."""
-        return sum(self._counts[s] for s in GroupState if s not in TERMINAL)
+        """Groups issued but neither trained nor dropped (kept as a count: admission reads it per group)."""
+        return self._open
 
     def records(self) -> list[GroupRecord]:
         return list(self._groups.values())

@@ -15,6 +15,8 @@ everything the policy needs).
 from __future__ import annotations
 
 import asyncio
+import math
+import operator
 import statistics
 import time
 import uuid
@@ -30,7 +32,7 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.evaluation import Evaluator
 from services.scheduler.ledger import GroupLedger, GroupState
 from services.scheduler.metrics import MetricsLog, TokenRate
-from services.scheduler.policy import build_train_batch, expected_train_version, group_staleness
+from services.scheduler.policy import build_train_batch, expected_train_version, span_versions
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
 from services.scheduler.weight_sync import AlignmentError, SyncResult, WeightSyncer
 
@@ -38,6 +40,8 @@ log = get_logger(__name__)
 
 # A prompt whose group failed this many times is given up (logged and counted as dropped).
 MAX_ATTEMPTS = 5
+
+_BY_INDEX = operator.attrgetter("index")
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ class Orchestrator:
         self.finished = False
         self.error = ""
         self.last_alignment = 0.0
-        self.staleness_seen: list[int] = []
+        self._staleness_total, self._staleness_groups = 0, 0  # over every trained group (GetStatus)
         self.tokens = TokenRate()
         self.probe: types_pb2.TokenSequence | None = None
         self.advantage_mode = settings.advantage_mode
@@ -228,7 +232,7 @@ class Orchestrator:
         """Generate (rollout) → score (env) → queue for training. Failures drop the group; retryable
         ones re-issue its prompt, and only a rollout failure counts against the rollout."""
         try:
-            completions = await self._generate(group_id, prompt, handle)
+            completions, versions, tokens = await self._generate(group_id, prompt, handle)
         except GrpoError as exc:
             if exc.unreachable:
                 await self.pool.mark(handle, healthy=False)
@@ -241,7 +245,7 @@ class Orchestrator:
         finally:
             await self.pool.release(handle)  # the rollout is free as soon as generation ends
         self.ledger.advance(group_id, GroupState.GENERATED)
-        self.tokens.add(sum(len(c.completion_token_ids) for c in completions))
+        self.tokens.add(tokens)
         try:
             scores = await self.env.score(prompt, completions)
         except GrpoError as exc:
@@ -252,17 +256,23 @@ class Orchestrator:
             self._drop(group_id, f"scoring failed: {reasons}")
             return
         self.ledger.advance(group_id, GroupState.SCORED)
-        await self.scored.put(ScoredGroup(group_id, prompt, completions, scores.rewards, scores.reward_infos))
+        await self.scored.put(
+            ScoredGroup(group_id, prompt, completions, scores.rewards, scores.reward_infos, versions)
+        )
 
     async def _generate(
         self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle
-    ) -> list[types_pb2.Completion]:
-        completions = await handle.client.generate(group_id, prompt, self.sampling)
-        completions = sorted(completions, key=lambda c: c.index)
-        indices = [c.index for c in completions]
-        if indices != list(range(self.settings.group_size)):
+    ) -> tuple[list[types_pb2.Completion], set[int], int]:
+        """The group in index order, checked (indices 0..G-1, tokens stamped with weight versions), with
+        the versions that produced it and its completion-token count: read once, here."""
+        completions = sorted(await handle.client.generate(group_id, prompt, self.sampling), key=_BY_INDEX)
+        if len(completions) != self.settings.group_size or any(
+            c.index != i for i, c in enumerate(completions)
+        ):
+            indices = [c.index for c in completions]
             raise RuntimeError(f"group {group_id}: rollout returned completion indices {indices}")
-        return completions
+        versions = span_versions(completions)
+        return completions, versions, sum(len(c.completion_token_ids) for c in completions)
 
     def _fail_group(self, group_id: str, prompt: types_pb2.Prompt, where: str, exc: Exception) -> None:
         """Drop the group; re-issue its prompt unless the failure says the request itself is bad."""
@@ -288,7 +298,7 @@ class Orchestrator:
         groups, staleness = [], []
         while len(groups) < self.settings.groups_per_batch:
             group = await self.scored.get()
-            age = group_staleness(group.completions, self.version)
+            age = self.version - min(group.versions)
             if age > self.settings.max_staleness:
                 self._drop(group.group_id, f"stale by {age} versions")
                 self.reissue.append(group.prompt)
@@ -309,7 +319,8 @@ class Orchestrator:
             for group in groups:
                 self.ledger.advance(group.group_id, GroupState.TRAINED)
             await self.pool.notify()
-            self.staleness_seen.extend(staleness)
+            self._staleness_total += sum(staleness)
+            self._staleness_groups += len(staleness)
             async with self.syncer.lock:
                 self.version, self.step = result.weight_version, result.step
                 # a health round may have caught some up to this version while we trained: never
@@ -345,11 +356,12 @@ class Orchestrator:
         holding: int,
     ) -> dict:
         rewards = [r for g in groups for r in g.rewards]
+        reward_mean = statistics.fmean(rewards)
         return {
             "step": result.step,
             "weight_version": result.weight_version,
-            "reward_mean": statistics.fmean(rewards),
-            "reward_std": statistics.pstdev(rewards),
+            "reward_mean": reward_mean,
+            "reward_std": math.sqrt(math.fsum((r - reward_mean) ** 2 for r in rewards) / len(rewards)),
             "loss": result.metrics.get("loss", float("nan")),
             "staleness_mean": statistics.fmean(staleness),
             "staleness_max": max(staleness),
@@ -362,9 +374,7 @@ class Orchestrator:
             "tokens_per_s": self.tokens.take(),
             "train_ms": train_ms,
             "groups_dropped": self.ledger.counts()["dropped"],
-            "behaviour_versions": sorted(
-                {sp.version for g in groups for c in g.completions for sp in c.version_spans}
-            ),
+            "behaviour_versions": sorted(set().union(*(g.versions for g in groups))),
             "rollouts_synced": holding,  # healthy rollouts on this version after the step's sync
             **{f"learner/{k}": v for k, v in result.metrics.items()},
         }
@@ -427,7 +437,7 @@ class Orchestrator:
                 RolloutStatus(h.rollout_id, h.address, h.version, h.in_flight, h.max_in_flight, h.healthy)
                 for h in self.pool.handles()
             ],
-            staleness_mean=statistics.fmean(self.staleness_seen) if self.staleness_seen else 0.0,
+            staleness_mean=self._staleness_total / max(1, self._staleness_groups),
             logprob_abs_diff_max=self.last_alignment,
             error=self.error,
         )

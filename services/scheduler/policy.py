@@ -11,20 +11,26 @@ re-issued, never silently trained.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from grpo.common.v1 import types_pb2
 from services.common.advantages import compute_advantages
 from services.scheduler.clients import Batch, ScoredGroup
 
 
-def oldest_version(completions: Sequence[types_pb2.Completion]) -> int:
-    """Oldest weight version that produced any token of these completions."""
-    versions = [span.version for c in completions for span in c.version_spans]
+def span_versions(completions: Iterable[types_pb2.Completion]) -> set[int]:
+    """Every weight version that produced a token of these completions."""
+    versions = {span.version for c in completions for span in c.version_spans}
     if not versions:
         raise ValueError("completions carry no weight-version spans")
-    return min(versions)
+    return versions
+
+
+def oldest_version(completions: Sequence[types_pb2.Completion]) -> int:
+    """Oldest weight version that produced any token of these completions."""
+    return min(span_versions(completions))
 
 
 def group_staleness(completions: Sequence[types_pb2.Completion], train_version: int) -> int:
@@ -34,6 +40,28 @@ def group_staleness(completions: Sequence[types_pb2.Completion], train_version: 
 def expected_train_version(learner_version: int, in_pipeline: int, groups_per_batch: int) -> int:
     """The learner version at which a group issued now will be trained (groups train in issue order)."""
     return learner_version + in_pipeline // groups_per_batch
+
+
+class Candidate(Protocol):
+    """What the dispatcher reads of a rollout (a `RolloutSlot`, or the pool's live handle)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def usable(self) -> bool: ...  # healthy and free for new work (not in a sync, not waiting for one)
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def max_in_flight(self) -> int: ...
+
+    @property
+    def version(self) -> int: ...
+
+
+CandidateT = TypeVar("CandidateT", bound=Candidate)
 
 
 @dataclass
@@ -46,20 +74,36 @@ class RolloutSlot:
     version: int
     healthy: bool
 
+    @property
+    def name(self) -> str:
+        return self.rollout_id
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy
+
+
+def choose_rollout(
+    candidates: Iterable[CandidateT], train_version: int, max_staleness: int
+) -> CandidateT | None:
+    """The least-loaded usable rollout with a free credit whose weights are fresh enough for a group
+    that will be trained at `train_version` (ties: fewer in flight, then by name); None if none
+    qualifies now. One pass, no allocation per candidate: the dispatcher runs it for every group."""
+    oldest = train_version - max_staleness
+    best, best_key = None, None
+    for c in candidates:
+        in_flight, limit = c.in_flight, c.max_in_flight
+        if in_flight < limit and c.version >= oldest and c.usable:
+            key = (in_flight / max(1, limit), in_flight, c.name)
+            if best_key is None or key < best_key:
+                best, best_key = c, key
+    return best
+
 
 def pick_rollout(slots: Sequence[RolloutSlot], train_version: int, max_staleness: int) -> str | None:
-    """The least-loaded healthy rollout with a free credit whose weights are fresh enough for a group
-    that will be trained at `train_version` (ties: by id); None if no rollout qualifies now."""
-    eligible = [
-        s
-        for s in slots
-        if s.healthy and s.in_flight < s.max_in_flight and train_version - s.version <= max_staleness
-    ]
-    if not eligible:
-        return None
-    return min(
-        eligible, key=lambda s: (s.in_flight / max(1, s.max_in_flight), s.in_flight, s.rollout_id)
-    ).rollout_id
+    """The id of `choose_rollout`'s pick among `slots`; None if no rollout qualifies now."""
+    chosen = choose_rollout(slots, train_version, max_staleness)
+    return None if chosen is None else chosen.rollout_id
 
 
 def build_train_batch(groups: Sequence[ScoredGroup], step: int, batch_id: str, advantage_mode: str) -> Batch:

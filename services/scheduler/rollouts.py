@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from services.common.errors import GrpoError
 from services.common.logging import get_logger
 from services.scheduler.clients import RolloutClient
-from services.scheduler.policy import RolloutSlot, pick_rollout
+from services.scheduler.policy import RolloutSlot, choose_rollout
 
 log = get_logger(__name__)
 
@@ -38,9 +38,13 @@ class RolloutHandle:
     def name(self) -> str:
         return self.rollout_id or self.address
 
+    @property
+    def usable(self) -> bool:
+        """Healthy and free for new work: not in a weight sync and not waiting for one."""
+        return self.healthy and not self.syncing and not self.needs_sync
+
     def slot(self) -> RolloutSlot:
-        usable = self.healthy and not self.syncing and not self.needs_sync
-        return RolloutSlot(self.name, self.in_flight, self.max_in_flight, self.version, usable)
+        return RolloutSlot(self.name, self.in_flight, self.max_in_flight, self.version, self.usable)
 
 
 class RolloutPool:
@@ -101,10 +105,8 @@ class RolloutPool:
         older than `train_version()` (re-evaluated on every change), and take one credit on it."""
         async with self.changed:
             while True:
-                handles = self.handles()
-                chosen = pick_rollout([h.slot() for h in handles], train_version(), max_staleness)
-                if chosen is not None:
-                    handle = next(h for h in handles if h.name == chosen)
+                handle = choose_rollout(self._by_address.values(), train_version(), max_staleness)
+                if handle is not None:
                     handle.in_flight += 1
                     return handle
                 await self.changed.wait()

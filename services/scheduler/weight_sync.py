@@ -128,19 +128,24 @@ class WeightSyncer:
         """Max |learner − rollout| logprob over the probe tokens, across `rollouts`.
 
         A rollout that cannot be reached is marked unhealthy and skipped (it is re-synced and probed
-        when it comes back); a reachable one that disagrees raises AlignmentError.
+        when it comes back); a reachable one that disagrees raises AlignmentError. Learner and rollouts
+        score at once (one round trip, not one per rollout); answers are judged in `rollouts` order.
         """
-        learner = await self._learner.score_tokens(sequence)
+        learner, *answers = await asyncio.gather(
+            self._learner.score_tokens(sequence),
+            *(handle.client.score_tokens(sequence) for handle in rollouts),
+            return_exceptions=True,
+        )
+        if isinstance(learner, BaseException):
+            raise learner
         worst = 0.0
-        for handle in rollouts:
-            try:
-                got = await handle.client.score_tokens(sequence)
-            except GrpoError as exc:
-                if not exc.unreachable:
-                    raise
-                log.warning("probe skipped: rollout unreachable", rollout=handle.name, error=str(exc))
+        for handle, got in zip(rollouts, answers, strict=True):
+            if isinstance(got, GrpoError) and got.unreachable:
+                log.warning("probe skipped: rollout unreachable", rollout=handle.name, error=str(got))
                 await self._pool.mark(handle, healthy=False)
                 continue
+            if isinstance(got, BaseException):
+                raise got
             if got.weight_version != learner.weight_version:
                 raise FailedPrecondition(
                     f"probe version mismatch: learner v{learner.weight_version}, "

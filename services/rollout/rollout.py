@@ -1,7 +1,7 @@
 """The rollout worker's logic: admission, tokenization, generation bookkeeping, the weight-sync phases.
 
 Protocol-free: the servicer converts protos to the domain objects used here and back. Heavy work
-(tokenization, model forward passes, checksum hashing) runs off the event loop.
+(tokenizing long prompts, model forward passes, checksum hashing) runs off the event loop.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ from services.rollout.weight_sync import WeightStager
 from services.transports import Staged, StageTarget
 
 log = get_logger(__name__)
+
+# Plain-text prompts up to this many characters are tokenized on the event loop (well under a
+# millisecond); longer ones and chat messages in the tokenizer threads.
+INLINE_TOKENIZE_CHARS = 512
 
 
 class Status(enum.Enum):
@@ -151,8 +155,17 @@ class Rollout:
         return list(tokenizer(prompt.text, add_special_tokens=self.settings.add_special_tokens)["input_ids"])
 
     async def tokenize(self, prompt: PromptInput) -> list[int]:
-        """Prompt token ids (chat template with generation prompt for messages), computed in a thread."""
-        ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._tokenize, prompt)
+        """Prompt token ids (chat template with generation prompt for messages).
+
+        A short plain-text prompt is tokenized right here: that takes tens of microseconds, less than
+        the hand-off to a thread and back (~150 us of CPU, measured). Chat messages and longer texts
+        are tokenized in a thread.
+        """
+        if not prompt.messages and len(prompt.text) <= INLINE_TOKENIZE_CHARS:
+            ids = self._tokenize(prompt)
+        else:
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._tokenize_pool, self._tokenize, prompt)
         if not ids:
             raise InvalidArgument(f"prompt {prompt.prompt_id!r} tokenizes to zero tokens")
         if len(ids) >= self._engine.max_model_len:
@@ -186,9 +199,10 @@ class Rollout:
         self._in_flight.add(request_id)
         try:
             prompt_ids = await self.tokenize(prompt)
+            prompt_tuple = tuple(prompt_ids)  # once per request, shared by its completions
             async for completion in self._engine.generate(prompt_ids, sampling, request_id):
                 self._tokens_generated += len(completion.token_ids)
-                yield Generated(prompt.prompt_id, tuple(prompt_ids), sampling, completion)
+                yield Generated(prompt.prompt_id, prompt_tuple, sampling, completion)
         finally:
             self._in_flight.discard(request_id)
 

@@ -5,6 +5,8 @@ python -m services.rollout --port 50052 --model ./model --engine vllm --dtype fl
 
 from __future__ import annotations
 
+import gc
+
 import grpc
 
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -29,9 +31,21 @@ class RolloutApp:
 
     async def start(self) -> None:
         await self.rollout.start()
+        freeze_heap()
 
     async def stop(self) -> None:
         await self.rollout.stop()
+
+
+def freeze_heap() -> None:
+    """Take everything allocated until now (torch, transformers, the vLLM front-end: ~600k objects)
+    out of the garbage collector's reach, as vLLM's own server does after start-up (`freeze_gc_heap`).
+
+    Otherwise every full collection walks all of them, on the event loop: under Generate load that
+    was a 0.4-0.5 s stall every 10-20 s (the recurring loop-lag warnings of demo runs).
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def main(argv: list[str] | None = None) -> None:

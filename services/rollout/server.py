@@ -18,20 +18,26 @@ from services.rollout.servicer import RolloutServicer
 
 class RolloutApp:
     """ServiceApp adapter: registers the servicer and starts/stops the `Rollout` (which creates its
-    engine in `Rollout.__init__` and starts it, inside the running loop, in `start()`)."""
+    engine in `Rollout.__init__` and starts it, inside the running loop, in `start()`).
+
+    `freeze_heap`: the process's own server (`main`) freezes the start-up heap once the model is
+    loaded (`freeze_heap()`); in-process servers (tests, benchmarks) leave their host's heap alone.
+    """
 
     service_names = service_names(rollout_pb2)
 
-    def __init__(self, settings: RolloutSettings) -> None:
+    def __init__(self, settings: RolloutSettings, freeze_heap: bool = False) -> None:
         self.rollout = Rollout(settings)
         self.bound_port: int | None = None
+        self._freeze_heap = freeze_heap
 
     def register(self, server: grpc.aio.Server) -> None:
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(self.rollout), server)
 
     async def start(self) -> None:
         await self.rollout.start()
-        freeze_heap()
+        if self._freeze_heap:
+            freeze_heap()
 
     async def stop(self) -> None:
         await self.rollout.stop()
@@ -50,4 +56,4 @@ def freeze_heap() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     settings = RolloutSettings.from_cli(argv, prog="python -m services.rollout")
-    run_service("rollout", lambda: RolloutApp(settings), settings)
+    run_service("rollout", lambda: RolloutApp(settings, freeze_heap=True), settings)

@@ -227,6 +227,7 @@ class Orchestrator:
             task = asyncio.create_task(self._run_group(record.group_id, prompt, handle))
             self._group_tasks.add(task)
             task.add_done_callback(self._group_tasks.discard)
+            await asyncio.sleep(0)
 
     async def _run_group(self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle) -> None:
         """Generate (rollout) → score (env) → queue for training. Failures drop the group; retryable
@@ -345,6 +346,9 @@ class Orchestrator:
                 sync_ms=round(sync.total_ms, 1),
                 diff=record["logprob_abs_diff_max"],
             )
+            # let the groups in flight run before the next batch is assembled: one step's bookkeeping
+            # and the next batch's assembly in a single slice of the loop would hold them both up
+            await asyncio.sleep(0)
 
     def _step_record(
         self,

@@ -27,7 +27,7 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # server: accept our 30 s pings
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.so_reuseport", 0),
     ]

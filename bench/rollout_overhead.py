@@ -1,38 +1,46 @@
 """What does the Rollout service cost on top of vLLM? The rollout service (a real
-`python -m services.rollout --engine vllm` process, driven over gRPC) against bare vLLM `AsyncLLM`
-(in this process) on identical requests, measured in one run.
+`python -m services.rollout --engine vllm` process, driven over gRPC from this process) against bare
+vLLM `AsyncLLM` (in this process) on identical requests, measured in one run.
 
-Both sides run the same engine: the bare `AsyncLLM` is built by the service's own code
-(`services.rollout.vllm_engine.VllmEngine` started with the same settings the service process parses
-from the same flags: model, dtype, KV cache size, max_num_seqs, processed logprobs, seed, worker
-extension), so only what the service adds around the engine differs. Both get the same prompt token
-ids (the service tokenizes the prompt text itself; the bench checks it got the same ids) and the same
-sampling: `--n` samples per prompt, temperature `--temperature`, `--max-tokens`, logprobs of the
-sampled tokens (`logprobs=0`, vLLM's processed logprobs, as the service asks for them), seed
-`--seed` (sample i of a prompt uses seed+i on both sides; 0 = unseeded). Bare vLLM gets each prompt
-as one request with `n` samples, all prompts at once; the service gets one Generate RPC per prompt,
-all at once, and streams each completion back. With a seed both sides should sample the same tokens
-(the bench reports the fraction of identical completions), so they do the same engine work.
+Same engine: the bare `AsyncLLM` is built by the service's own code (`VllmEngine.start()` with the
+settings the service process parses from the same flags: model, dtype fp32, KV cache size,
+max_num_seqs, prefix caching, processed logprobs, seed, worker extension), so only what the service
+adds around the engine differs. Same requests: the demo's arithmetic prompts ("3+5="), `--prompts`
+at once, `--batches` such sets one after the other; `--n` samples each, temperature
+`--temperature`, `--max-tokens`, logprobs of the sampled tokens (`logprobs=0`: vLLM's processed
+logprobs, as the service asks for them), seed `--seed` (sample i of a prompt: seed + i on both
+sides; 0 = unseeded). The service tokenizes the prompt text itself (the bench checks it got the
+same ids bare vLLM is given). Bare vLLM gets one request per prompt with all `n` samples and reads
+the final outputs, with vLLM's cheapest logprob form (flat lists) and its text (vLLM's
+detokenizer; `--no-bare-text`: no text, the engine-only floor); the service gets one Generate RPC
+per prompt and streams each completion back as a Completion message (tokens, logprobs, version
+spans, text). With a seed both sides sample the same tokens (the bench reports the fraction of
+identical completions), so the engine does the same work.
 
 Runs alternate (bare, service, bare, service, ... `--repeats` pairs, after one untimed warm-up of
-each), with a pause between runs so the idle engine's busy-wait has stopped before the other runs.
+each), with a pause between runs so that the idle engine's busy-wait has stopped.
+`--profile-service FILE` records the rollout process with py-spy during the timed runs.
 
     make demo   # builds .cache/tiny-model-warm120 on first use (any local model directory works)
-    flock /tmp/cpu.lock .venv/bin/python bench/rollout_overhead.py --repeats 5
-    flock /tmp/cpu.lock .venv/bin/python bench/rollout_overhead.py --hidden 512 --layers 8 --max-tokens 32
+    B="flock /tmp/cpu.lock .venv/bin/python bench/rollout_overhead.py"
+    $B                                                         # the demo's model: ~2.5 tokens each
+    $B --model .cache/tiny-model-random --batches 1            # random weights: ~60 of 64 tokens
+    $B --hidden 512 --layers 10 --batches 1 --max-tokens 32    # a random 29M Qwen2, built once
 
-What each number means (per run; the summary gives median, min and max over the runs):
+What each number means (per run; the summary gives median [min, max] over the timed runs):
 
-    tokens/s        completion tokens received / wall time from the first request sent to the last
-                    completion received (bare: RequestOutputs in this process; service: Completion
-                    messages received by this process's gRPC client)
-    completions/s   completions received / the same wall time
-    ratio           service / bare of tokens/s, per adjacent (bare, service) pair; 1.0 = no overhead
-    front-end CPU s CPU seconds of the process that holds AsyncLLM (bare: this bench process;
-                    service: the rollout process) during the run; the engine-core and worker
-                    processes are counted apart (engine CPU s), the bench's gRPC client too
-                    (client CPU s, service runs only)
-    tokens/completion  mean completion length (EOS ends a completion before --max-tokens)
+    tokens/s          completion tokens received / wall time from the first request sent to the
+                      last completion received (bare: RequestOutputs in this process; service:
+                      Completion messages received by this process's gRPC client)
+    completions/s     completions received / the same wall time
+    service/bare      ratio of tokens/s (and completions/s) per adjacent (bare, service) pair;
+                      1.0 = the service costs nothing on top of vLLM
+    tok/compl         mean completion length (EOS ends a completion before --max-tokens)
+    front-end CPU s   CPU seconds of the process that holds the AsyncLLM (bare: this process;
+                      service: the rollout process) during the run
+    engine CPU s      CPU seconds of the engine-core and worker processes of that side
+    client CPU s      CPU seconds of this process during a service run (the gRPC client); on a
+                      small machine it competes with the service and the engine for the same cores
 """
 
 from __future__ import annotations
@@ -56,8 +64,7 @@ from typing import Any
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python bench/rollout_overhead.py` from anywhere
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # this tree's services (also from a git worktree), from anywhere
 
 DEFAULT_MODEL = ROOT / ".cache" / "tiny-model-warm120"
 MAX_MESSAGE_BYTES = 64 << 20
@@ -156,7 +163,8 @@ class Bare:
         from vllm.sampling_params import RequestOutputKind
 
         # What a plain vLLM user asks for: all samples at once, the final outputs only, the
-        # sampled tokens' logprobs in vLLM's cheapest form (flat lists).
+        # sampled tokens' logprobs in vLLM's cheapest form (flat lists), and the text (vLLM's
+        # detokenizer; --no-bare-text: none, the engine-only floor).
         params = SamplingParams(
             n=args.n,
             temperature=args.temperature,
@@ -166,6 +174,7 @@ class Bare:
             seed=args.seed or None,
             logprobs=0,
             flat_logprobs=True,
+            detokenize=not args.no_bare_text,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
@@ -247,8 +256,7 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
     service.start()  # --port 0 --port-file; its log goes to <run_dir>/logs/rollout.log
     bare = Bare(argv)
     try:
-        # Both engines start at once (start-up is not measured); the service must be ready first
-        # only so that its start does not compete with the measured runs.
+        # Both engines start at once (start-up is not measured); the runs begin when both are up.
         address, _ = await asyncio.gather(service.wait_ready(timeout=900), bare.start())
         # As the rollout service does after start-up (and vLLM's own server): the start-up heap out of
         # the collector's reach, or a full collection of it stalls a bare run now and then.
@@ -331,6 +339,8 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
 def summarize(
     args: argparse.Namespace, model: Path, runs: list[Run], identical: list[float]
 ) -> dict[str, Any]:
+    import services
+
     timed = [r for r in runs if r.repeat >= 0]
     by_side = {side: [r for r in timed if r.side == side] for side in ("bare", "service")}
     pairs = list(zip(by_side["bare"], by_side["service"], strict=True))
@@ -347,13 +357,9 @@ def summarize(
     summary["ratio_tokens_per_s"] = spread([s.tokens_per_s / b.tokens_per_s for b, s in pairs])
     summary["ratio_completions_per_s"] = spread([s.completions_per_s / b.completions_per_s for b, s in pairs])
     summary["identical_completions"] = statistics.mean(identical) if identical else None
-    config = {
-        key: getattr(args, key)
-        for key in ("prompts", "batches", "n", "max_tokens", "temperature", "seed", "repeats", "dtype",
-                    "kv_cache_gib", "max_num_seqs")
-    }  # fmt: skip
-    import services
-
+    keys = ["prompts", "batches", "n", "max_tokens", "temperature", "seed", "repeats", "no_bare_text"]
+    keys += ["dtype", "kv_cache_gib", "max_num_seqs"]
+    config = {key: getattr(args, key) for key in keys}
     return {
         "model": str(model),
         "services": str(Path(services.__file__).parent),  # which tree was measured
@@ -404,8 +410,11 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1, help="sampling seed (sample i: seed+i); 0 = unseeded")
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the arithmetic prompts")
-    parser.add_argument("--repeats", type=int, default=3, help="timed (bare, service) pairs")
+    parser.add_argument("--repeats", type=int, default=5, help="timed (bare, service) pairs")
     parser.add_argument("--pause", type=float, default=1.5, help="seconds between runs")
+    parser.add_argument(
+        "--no-bare-text", action="store_true", help="bare vLLM without detokenization (no text)"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--max-num-seqs", type=int, default=256)

@@ -22,6 +22,9 @@ Numbers, for each rollout count of `--rollouts`, measured after `--warmup-steps`
   completions/s   completions that reach a trained batch per second: the completions of the TrainSteps
                   after the warm-up, over the time from the warm-up's last TrainStep returning to the
                   last one returning.
+  cpu us/compl    this process's CPU time over the same window per completion routed (inproc: scheduler
+                  and stubs; loopback: the scheduler with its gRPC clients, not the stub process): the
+                  cost, and the number least disturbed by other load on a shared machine.
   added p50/p99   the latency the scheduler ADDS per group, from time.perf_counter stamps (the same
                   monotonic clock in both processes): from the moment the stub rollout has the group's
                   last completion available (inproc: the stub resolves the generate call; loopback: the
@@ -450,11 +453,12 @@ async def empty_rpc_baseline(address: str, calls: int) -> dict[str, float]:
 
 @dataclass
 class Stamps:
-    """perf_counter stamps by group id, and (TrainStep returned at, completions trained) per step."""
+    """perf_counter stamps by group id, and per step (TrainStep returned at, this process's CPU time
+    then, completions trained)."""
 
     queued: dict[str, float] = field(default_factory=dict)
     batched: dict[str, float] = field(default_factory=dict)
-    steps: list[tuple[float, int]] = field(default_factory=list)
+    steps: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 class StampedQueue(asyncio.Queue):
@@ -479,7 +483,8 @@ def _time_train_steps(learner: Any, stamps: Stamps) -> None:
 
     async def timed(batch: Batch) -> StepResult:
         result = await train_step(batch)
-        stamps.steps.append((time.perf_counter(), sum(len(g.completions) for g in batch.groups)))
+        completions = sum(len(g.completions) for g in batch.groups)
+        stamps.steps.append((time.perf_counter(), time.process_time(), completions))
         return result
 
     learner.train_step = timed
@@ -543,8 +548,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def summarize(args: argparse.Namespace, stamps: Stamps, counts: dict, available: dict[str, float]) -> dict:
     steps = stamps.steps
-    start, end = steps[args.warmup_steps - 1][0], steps[-1][0]
-    routed = sum(n for _, n in steps[args.warmup_steps :])
+    (start, cpu_start, _), (end, cpu_end, _) = steps[args.warmup_steps - 1], steps[-1]
+    routed = sum(n for _, _, n in steps[args.warmup_steps :])
     groups = [g for g, at in stamps.queued.items() if at >= start and g in available]
     added = [(stamps.queued[g] - available[g]) * 1e3 for g in groups]
     to_batch = [(stamps.batched[g] - available[g]) * 1e3 for g in groups if g in stamps.batched]
@@ -553,6 +558,7 @@ def summarize(args: argparse.Namespace, stamps: Stamps, counts: dict, available:
     return {
         "completions_routed": routed,
         "seconds": end - start,
+        "cpu_us_per_completion": (cpu_end - cpu_start) * 1e6 / routed,
         "completions_per_s": rate,
         "x_goal_rate": rate / GOAL_COMPLETIONS_PER_S,
         "groups_measured": len(added),
@@ -606,8 +612,8 @@ def discard_service_logs() -> None:
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'mode':<9}{'rollouts':>8}{'compl/s':>10}{'x goal':>8}{'added p50':>11}{'added p99':>11}"
-        f"{'x goal':>8}{'to batch p99':>14}{'dropped':>9}"
+        f"{'mode':<9}{'rollouts':>8}{'compl/s':>10}{'x goal':>8}{'cpu us/compl':>13}"
+        f"{'added p50':>11}{'added p99':>11}{'x goal':>8}{'to batch p99':>14}{'dropped':>9}"
     )
     print(
         f"goals: {GOAL_COMPLETIONS_PER_S:,.0f} completions/s in-process; added p99 <= {GOAL_ADDED_P99_MS} ms"
@@ -616,6 +622,7 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         print(
             f"{r['mode']:<9}{r['rollouts']:>8}{r['completions_per_s']:>10,.0f}{r['x_goal_rate']:>8.2f}"
+            f"{r['cpu_us_per_completion']:>13.1f}"
             f"{r['added_p50_ms']:>9.3f}ms{r['added_p99_ms']:>9.3f}ms{r['x_goal_p99']:>8.2f}"
             f"{r['to_batch_p99_ms']:>12.2f}ms{r['groups_dropped']:>9}"
         )

@@ -34,7 +34,7 @@ _NEXT = {
 TERMINAL = frozenset({GroupState.TRAINED, GroupState.DROPPED})
 
 
-@dataclass
+@dataclass(slots=True)
 class GroupRecord:
     group_id: str
     prompt_id: str
@@ -67,8 +67,8 @@ class GroupLedger:
 
     def issue(self, prompt_id: str, version: int) -> GroupRecord:
         """A new group for `prompt_id`; re-issuing a dropped prompt gets a new attempt number."""
-        attempt = self._attempts[prompt_id]
-        self._attempts[prompt_id] += 1
+        attempt = self._attempts.get(prompt_id, 0)
+        self._attempts[prompt_id] = attempt + 1
         record = GroupRecord(f"{prompt_id}#{attempt}", prompt_id, attempt, version)
         self._groups[record.group_id] = record
         self._open += 1

@@ -32,7 +32,7 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.evaluation import Evaluator
 from services.scheduler.ledger import GroupLedger, GroupState
 from services.scheduler.metrics import MetricsLog, TokenRate
-from services.scheduler.policy import build_train_batch, expected_train_version, span_versions
+from services.scheduler.policy import build_train_batch, expected_train_version
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
 from services.scheduler.weight_sync import AlignmentError, SyncResult, WeightSyncer
 
@@ -82,6 +82,8 @@ class Orchestrator:
         self.evaluator = Evaluator(settings, env, pool)
         batch = settings.groups_per_batch
         self.prompts: asyncio.Queue[types_pb2.Prompt] = asyncio.Queue(maxsize=settings.prompt_buffer)
+        self._prompt_chunk = min(settings.prompt_buffer, max(1, settings.groups_per_batch))
+        self._prompt_room = asyncio.Event()  # set when the buffer has room for another chunk
         self.reissue: deque[types_pb2.Prompt] = deque()
         self.scored: asyncio.Queue[ScoredGroup] = asyncio.Queue(maxsize=(settings.max_staleness + 1) * batch)
         s = settings.sampling
@@ -203,15 +205,23 @@ class Orchestrator:
     # ---- prompts and generation ----------------------------------------------------------------------
 
     async def _feed_prompts(self) -> None:
-        chunk = min(self.settings.prompt_buffer, max(1, self.settings.groups_per_batch))
+        """Keep up to `prompt_buffer` prompts fetched ahead, refilled a chunk (one env call) at a time:
+        the feeder wakes once per chunk taken, not once per prompt."""
+        chunk = self._prompt_chunk
         while True:
-            for prompt in await self.env.sample(chunk, "train"):
-                await self.prompts.put(prompt)
+            while self.prompts.maxsize - self.prompts.qsize() >= chunk:
+                for prompt in await self.env.sample(chunk, "train"):
+                    await self.prompts.put(prompt)
+            self._prompt_room.clear()
+            await self._prompt_room.wait()
 
     async def _next_prompt(self) -> types_pb2.Prompt:
         if self.reissue:
             return self.reissue.popleft()
-        return await self.prompts.get()
+        prompt = await self.prompts.get()
+        if self.prompts.maxsize - self.prompts.qsize() >= self._prompt_chunk:
+            self._prompt_room.set()
+        return prompt
 
     async def _dispatch(self) -> None:
         cfg = self.settings
@@ -267,13 +277,22 @@ class Orchestrator:
         """The group in index order, checked (indices 0..G-1, tokens stamped with weight versions), with
         the versions that produced it and its completion-token count: read once, here."""
         completions = sorted(await handle.client.generate(group_id, prompt, self.sampling), key=_BY_INDEX)
-        if len(completions) != self.settings.group_size or any(
-            c.index != i for i, c in enumerate(completions)
-        ):
+        versions: set[int] = set()
+        tokens = 0
+        complete = len(completions) == self.settings.group_size
+        for i, c in enumerate(completions):  # one pass: every field read here is read once per group
+            if c.index != i:
+                complete = False
+                break
+            tokens += len(c.completion_token_ids)
+            for span in c.version_spans:
+                versions.add(span.version)
+        if not complete:
             indices = [c.index for c in completions]
             raise RuntimeError(f"group {group_id}: rollout returned completion indices {indices}")
-        versions = span_versions(completions)
-        return completions, versions, sum(len(c.completion_token_ids) for c in completions)
+        if not versions:
+            raise ValueError(f"group {group_id}: completions carry no weight-version spans")
+        return completions, versions, tokens
 
     def _fail_group(self, group_id: str, prompt: types_pb2.Prompt, where: str, exc: Exception) -> None:
         """Drop the group; re-issue its prompt unless the failure says the request itself is bad."""

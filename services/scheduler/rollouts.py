@@ -103,13 +103,14 @@ class RolloutPool:
     async def acquire(self, train_version: Callable[[], int], max_staleness: int) -> RolloutHandle:
         """Wait for a rollout with a free credit whose weights are at most `max_staleness` versions
         older than `train_version()` (re-evaluated on every change), and take one credit on it."""
-        async with self.changed:
-            while True:
-                handle = choose_rollout(self._by_address.values(), train_version(), max_staleness)
-                if handle is not None:
-                    handle.in_flight += 1
-                    return handle
-                await self.changed.wait()
+        handles = self._by_address.values()
+        handle = choose_rollout(handles, train_version(), max_staleness)
+        if handle is None:  # nothing free now: wait for a change (the lock is only needed to wait)
+            async with self.changed:
+                while (handle := choose_rollout(handles, train_version(), max_staleness)) is None:
+                    await self.changed.wait()
+        handle.in_flight += 1
+        return handle
 
     async def release(self, handle: RolloutHandle) -> None:
         async with self.changed:

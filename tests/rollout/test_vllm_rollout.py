@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -150,6 +151,34 @@ async def test_vllm_generates_with_processed_logprobs_and_version_spans(
         assert state.engine == "vllm" and state.status == rollout_pb2.ROLLOUT_STATUS_READY
         assert state.weight_version == 0
         await check_policy(stub, reference_model, version=0)
+
+
+async def test_vllm_text_is_vllms_own_with_and_without_stop_strings(
+    vllm_server: str, tiny_model_dir: Path
+) -> None:
+    """Without stop strings the rollout decodes each finished completion itself (vLLM's detokenizer
+    off): the text must be what vLLM's detokenizer gives. With stop strings vLLM detokenizes."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    async with connect(vllm_server) as stub:
+        completions = await generate(stub, "12+34=", n=8, temperature=1.0, max_tokens=24, seed=5)
+        for c in completions:
+            ids, stop = list(c.completion_token_ids), c.finish_reason == types_pb2.FINISH_REASON_STOP
+            request = SimpleNamespace(
+                request_id="r", prompt_token_ids=list(c.prompt_token_ids), sampling_params=SamplingParams()
+            )
+            reference = FastIncrementalDetokenizer(tokenizer, request)
+            reference.update(ids, stop)
+            assert c.text == reference.output_text
+        stopped = await generate(stub, "12+34=", n=8, temperature=1.0, max_tokens=24, seed=5, stop=["1"])
+        assert len(stopped) == 8
+        for c in stopped:
+            assert "1" not in c.text and len(c.logprobs) == len(c.completion_token_ids)
+            spans = [(s.version, s.start, s.end) for s in c.version_spans]
+            assert spans[0][1] == 0 and spans[-1][2] == len(c.completion_token_ids)
 
 
 async def test_vllm_weight_updates_over_shared_memory_and_grpc_stream(

@@ -205,3 +205,43 @@ async def test_a_rollout_registering_mid_run_gets_the_current_weights_before_any
     assert late.commits[0] >= joined_at  # synced to the run's version first (staleness 3 would allow v0) ...
     assert min(late.generated_at) >= late.commits[0]  # ... and only then given work
     assert c.orchestrator.finished and len(_trained(c)) == 12
+
+
+async def test_a_group_without_weight_versions_is_never_trained_and_its_prompt_reissued(
+    tmp_path: Path,
+) -> None:
+    rollout = FakeRollout("r0")
+    original = rollout.generate
+    broken = {"left": 1}
+
+    async def generate_one_unstamped_group(request_id, *args, **kwargs):
+        completions = await original(request_id, *args, **kwargs)
+        if not request_id.startswith("probe") and broken["left"]:
+            broken["left"] -= 1
+            for c in completions:
+                del c.version_spans[:]  # tokens no version produced: must never reach the learner
+        return completions
+
+    rollout.generate = generate_one_unstamped_group
+    c = cluster(tmp_path, rollout)
+    await c.run()
+    assert c.orchestrator.finished and not c.orchestrator.error
+    dropped = [r for r in c.orchestrator.ledger.records() if r.state == GroupState.DROPPED]
+    assert len(dropped) == 1 and "weight-version spans" in dropped[0].reason
+    trained_again = [r for r in _trained(c) if r.prompt_id == dropped[0].prompt_id]
+    assert trained_again and trained_again[0].attempt == 1
+    trained = [x for b in c.learner.batches for g in b.groups for x in g.completions]
+    assert trained and all(x.version_spans for x in trained)  # every trained token carries its version
+
+
+async def test_prompts_are_fetched_ahead_up_to_the_buffer_and_no_further(tmp_path: Path) -> None:
+    c = cluster(tmp_path, FakeRollout("r0"), prompt_buffer=5, groups_per_batch=2)
+    c.orchestrator.pause(True)  # nothing is consumed: the feeder fills the buffer and stops
+    run = asyncio.create_task(c.run())
+    for _ in range(20):
+        await asyncio.sleep(0.002)
+    assert c.orchestrator.prompts.qsize() <= 5 and c.env.cursor <= 5
+    assert c.orchestrator.prompts.qsize() >= 5 - 2  # refilled a chunk (B prompts) at a time
+    c.orchestrator.pause(False)
+    await run
+    assert c.orchestrator.finished and len(_trained(c)) == 6

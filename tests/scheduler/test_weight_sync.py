@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from grpo.common.v1 import types_pb2
@@ -104,3 +106,27 @@ async def test_probe_refuses_a_version_mismatch_and_a_length_mismatch() -> None:
     rollout.score_tokens = short
     with pytest.raises(AlignmentError, match="scored 1 tokens, learner 2"):
         await syncer.probe(PROBE, pool.handles())
+
+
+async def test_probe_asks_the_learner_and_every_rollout_at_once() -> None:
+    """One round trip per sync, not one per rollout: every rollout's scoring is in flight together."""
+    rollouts = [FakeRollout(f"r{i}") for i in range(3)]
+    syncer, learner, pool = await _setup(*rollouts)
+    in_flight, most = 0, 0
+
+    def counting(score):
+        async def scored(sequence):
+            nonlocal in_flight, most
+            in_flight += 1
+            most = max(most, in_flight)
+            await asyncio.sleep(0.01)
+            in_flight -= 1
+            return await score(sequence)
+
+        return scored
+
+    learner.score_tokens = counting(learner.score_tokens)
+    for rollout in rollouts:
+        rollout.score_tokens = counting(rollout.score_tokens)
+    assert await syncer.probe(PROBE, pool.handles()) == 0.0
+    assert most == 4

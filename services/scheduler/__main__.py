@@ -1,4 +1,12 @@
-from services.scheduler.server import main
+"""`python -m services.scheduler [--flags]` serves; `python -m services.scheduler audit RUN_DIR` audits a run."""
+
+import sys
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["audit"]:
+        from services.scheduler.audit import main as audit
+
+        sys.exit(audit(sys.argv[2:]))
+    from services.scheduler.server import main
+
     main()

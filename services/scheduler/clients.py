@@ -80,6 +80,9 @@ class LearnerInfo:
     weight_version: int
     step: int
     loss: str
+    last_batch_id: str = ""  # the last batch the learner trained (or its checkpoint consumed)
+    lineage_id: str = ""  # the run's learner lineage: kept across restarts from its checkpoints
+    instance_id: str = ""  # changes whenever the learner process restarts
 
 
 @dataclass(frozen=True)
@@ -147,11 +150,15 @@ class RolloutClient(Protocol):
     ) -> list[types_pb2.Completion]:
         """All `sampling.n` completions of one prompt (in any order)."""
 
-    async def stage(self, weights: types_pb2.WeightVersion, deadline_s: float | None = None) -> None:
-        """Fetch/receive + verify a version; `deadline_s` shortens the configured deadline."""
+    async def stage(
+        self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False
+    ) -> None:
+        """Fetch/receive + verify a version; `deadline_s` shortens the configured deadline. `rewind`:
+        accept a version not newer than the loaded one (the learner restarted from an older
+        checkpoint; the loaded weights belong to a lineage that no longer exists)."""
 
-    async def commit(self, version: int) -> None:
-        """Load the staged `version`."""
+    async def commit(self, version: int, rewind: bool = False) -> None:
+        """Load the staged `version` (`rewind`: even if it is older than the loaded one)."""
 
     async def abort(self, version: int) -> None: ...
 

@@ -44,6 +44,29 @@ class TimeoutSettings(BaseModel):
     )
 
 
+class RecoverySettings(BaseModel):
+    """Durability: the run's ledger (`<run_dir>/ledger.sqlite`) and waiting out restarting peers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    peer_restart_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        description="Seconds to wait for an unreachable learner or env to answer again (a supervisor "
+        "restarting it) before the run fails; the learner's model load counts against it.",
+    )
+    retry_interval: float = Field(
+        default=1.0, gt=0, description="Seconds between attempts to reach a peer that went away."
+    )
+    ledger_flush_interval: float = Field(
+        default=0.25,
+        gt=0,
+        description="Seconds between background writes of the ledger (every batch is also written "
+        "before the learner sees it); a crash loses at most this much issue/score bookkeeping, "
+        "never data: unrecorded groups are generated again.",
+    )
+
+
 class SchedulerSettings(ServiceSettings):
     """The orchestrator: pumps prompts to rollouts, scores, batches, trains and syncs weights."""
 
@@ -94,11 +117,23 @@ class SchedulerSettings(ServiceSettings):
         default=1, ge=1, description="Completions per eval prompt (pass@k for k ≤ this)."
     )
     eval_temperature: float = Field(default=1.0, gt=0, description="Sampling temperature for evaluation.")
+    dynamic_sampling: bool = Field(
+        default=False,
+        description="DAPO dynamic sampling: drop groups whose rewards have zero variance (no gradient) "
+        "and fill the batch from the stream instead; recorded as filtered in the ledger.",
+    )
     prompt_buffer: int = Field(
         default=64, ge=1, description="Prompts fetched ahead from the env (bounded queue)."
     )
     health_interval_seconds: float = Field(default=2.0, gt=0, description="How often rollouts are polled.")
     autostart: bool = Field(default=True, description="Start training as soon as the peers are ready.")
-    run_dir: Path = Field(default=Path("runs/latest"), description="Where metrics.jsonl is written.")
+    run_dir: Path = Field(
+        default=Path("runs/latest"),
+        description="Where metrics.jsonl and the ledger (ledger.sqlite) live; a scheduler restarted on "
+        "the same directory continues the run from its ledger.",
+    )
     sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="Training sampling.")
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings, description="Client-call deadlines.")
+    recovery: RecoverySettings = Field(
+        default_factory=RecoverySettings, description="Ledger writes and peer restarts."
+    )

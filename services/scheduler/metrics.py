@@ -26,6 +26,7 @@ class MetricsLog:
     def __init__(self, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        self.last_step = _last_step(self.path)  # of an earlier incarnation's rows (a restart appends)
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -33,9 +34,26 @@ class MetricsLog:
         clean.setdefault("time", time.time())
         self._file.write(json.dumps(clean, sort_keys=True) + "\n")
         self._file.flush()
+        if "reward_mean" in record and "event" not in record:
+            self.last_step = max(self.last_step, int(record["step"]))
 
     def close(self) -> None:
         self._file.close()
+
+
+def _last_step(path: Path) -> int:
+    """The newest step row of an existing metrics file (0 when there is none)."""
+    last = 0
+    if path.exists():
+        with path.open(encoding="utf-8") as rows:
+            for line in rows:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash
+                    continue
+                if "reward_mean" in row and "event" not in row:
+                    last = max(last, int(row["step"]))
+    return last
 
 
 class TokenRate:

@@ -6,10 +6,13 @@ Four cooperating tasks, joined by bounded queues:
     (env.sample)               (admission, least-loaded rollout)    (rollout)  (env)     (learner step, sync)
     health monitor: polls rollouts, brings lagging or (re)joined ones up to the current version.
 
-Every group is tracked in the ledger; a group whose rollout dies is dropped and its prompt re-issued,
-so a dead worker costs time, never data. The peers are the protocols of `clients.py`: this module
-builds no request message and handles no status code (a failure's `retryable` and `unreachable` say
-everything the policy needs).
+Every group is tracked in the ledger, and the ledger is durable (`store.py`: SQLite in the run
+directory). A group whose rollout dies is dropped and its prompt re-issued, so a dead worker costs
+time, never data; an env or learner that goes away is waited for (a supervisor restarts it); a
+learner that comes back from an older checkpoint is caught up by training the same batches again
+(`recovery.py`); a restarted scheduler continues from the ledger. The peers are the protocols of
+`clients.py`: this module builds no request message and handles no status code (a failure's
+`retryable` and `unreachable` say everything the policy needs).
 """
 
 from __future__ import annotations
@@ -21,19 +24,31 @@ import statistics
 import time
 import uuid
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 from grpo.common.v1 import types_pb2
 from services.common.advantages import MODE_FOR_LOSS, AdvantageMode
-from services.common.errors import GrpoError
+from services.common.errors import GrpoError, Unavailable
 from services.common.logging import get_logger
-from services.scheduler.clients import EnvClient, LearnerClient, Sampling, ScoredGroup, StepResult
+from services.scheduler.clients import (
+    EnvClient,
+    LearnerClient,
+    LearnerInfo,
+    Sampling,
+    ScoredGroup,
+    StepResult,
+)
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.evaluation import Evaluator
 from services.scheduler.ledger import GroupLedger, GroupState
 from services.scheduler.metrics import MetricsLog, TokenRate
 from services.scheduler.policy import build_train_batch, expected_train_version
+from services.scheduler.recovery import LOST_LINEAGE, LedgerMismatch, RecoveryPlan, plan_recovery
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
+from services.scheduler.store import BatchRow, LedgerStore, Snapshot, new_run_id
 from services.scheduler.weight_sync import AlignmentError, SyncResult, WeightSyncer
 
 log = get_logger(__name__)
@@ -42,6 +57,14 @@ log = get_logger(__name__)
 MAX_ATTEMPTS = 5
 
 _BY_INDEX = operator.attrgetter("index")
+T = TypeVar("T")
+
+# A train prompt and its position in the env's train stream (re-issued prompts keep theirs).
+Drawn = tuple[int, types_pb2.Prompt]
+
+
+class PeerGone(RuntimeError):
+    """A peer stayed unreachable past `recovery.peer_restart_timeout`."""
 
 
 @dataclass(frozen=True)
@@ -77,15 +100,26 @@ class Orchestrator:
     ) -> None:
         self.settings = settings
         self.env, self.learner, self.pool = env, learner, pool
-        self.ledger = GroupLedger()
+        self.store = LedgerStore(settings.run_dir)
+        self.ledger = GroupLedger(sink=self.store.group_changed)
         self.syncer = WeightSyncer(learner, pool, settings.weight_transport)
         self.evaluator = Evaluator(settings, env, pool)
         batch = settings.groups_per_batch
-        self.prompts: asyncio.Queue[types_pb2.Prompt] = asyncio.Queue(maxsize=settings.prompt_buffer)
+        self.prompts: asyncio.Queue[Drawn] = asyncio.Queue(maxsize=settings.prompt_buffer)
         self._prompt_chunk = min(settings.prompt_buffer, max(1, settings.groups_per_batch))
         self._prompt_room = asyncio.Event()  # set when the buffer has room for another chunk
-        self.reissue: deque[types_pb2.Prompt] = deque()
+        self.cursor = 0  # the next train-stream position to draw (the ledger restores it)
+        self.reissue: deque[Drawn] = deque()
         self.scored: asyncio.Queue[ScoredGroup] = asyncio.Queue(maxsize=(settings.max_staleness + 1) * batch)
+        self.recovered: deque[ScoredGroup] = deque()  # scored groups a restart found unbatched: first in
+        self._batches: dict[int, BatchRow] = {}  # every batch of the run, by step (ids only)
+        self._replay: deque[BatchRow] = deque()  # batches to train (again) before new ones
+        self._positions: dict[str, int] = {}  # group id → train position (until the group is terminal)
+        self.generation = 0  # learner lineage generation: +1 at every rewind
+        self._rewinds: list[tuple[int, int]] = []  # (generation started, version rewound to)
+        self._learner_instance = ""
+        self._lineage = ""
+        self._filtered = 0  # groups filtered (dynamic sampling) since the last step
         s = settings.sampling
         self.sampling = Sampling(
             n=settings.group_size,
@@ -115,11 +149,13 @@ class Orchestrator:
         background = []
         self._metrics = MetricsLog(self.settings.run_dir)
         try:
-            await self._prepare()
+            snapshot = await self.store.open()
+            await self._prepare(snapshot)
             background = [
                 asyncio.create_task(self._feed_prompts(), name="feeder"),
                 asyncio.create_task(self._dispatch(), name="dispatcher"),
                 asyncio.create_task(self._monitor_health(), name="health"),
+                asyncio.create_task(self._flush_ledger(), name="ledger"),
             ]
             trainer = asyncio.create_task(self._train(), name="trainer")
             # Whichever ends first: the trainer (done/failed) or a background task crashing.
@@ -140,14 +176,34 @@ class Orchestrator:
             for task in [*background, *self._group_tasks]:
                 task.cancel()
             await asyncio.gather(*background, *self._group_tasks, return_exceptions=True)
+            await self.store.close()
             self._metrics.close()
 
-    async def _prepare(self) -> None:
-        """Learn the learner's version and loss, bring every rollout to it, fix the probe sequence."""
+    async def _prepare(self, snapshot: Snapshot) -> None:
+        """Learn the learner's version and loss, continue from the ledger if it holds an earlier
+        incarnation's run, bring every rollout to the learner's version, fix the probe sequence."""
         state = await self.learner.state()
         self.version, self.step = state.weight_version, state.step
+        self._learner_instance, self._lineage = state.instance_id, state.lineage_id
         if self.advantage_mode == "auto":
             self.advantage_mode = MODE_FOR_LOSS.get(state.loss, AdvantageMode.group_std)
+        resumed = not snapshot.empty
+        if resumed:
+            await self._resume(snapshot, state)
+        else:
+            cfg = self.settings
+            self.store.set_meta(
+                run_id=new_run_id(),
+                lineage_id=state.lineage_id,
+                group_size=cfg.group_size,
+                groups_per_batch=cfg.groups_per_batch,
+                max_staleness=cfg.max_staleness,
+                generation=0,
+                first_step=state.step,
+            )
+            self.cursor = 0
+        self.store.event("scheduler_start", step=self.step, version=self.version, resumed=resumed)
+        await self.store.flush()
         await self.pool.refresh_all(self.version)
         if not self.pool.healthy():
             raise RuntimeError("no rollout is ready")
@@ -163,8 +219,89 @@ class Orchestrator:
             advantage_mode=self.advantage_mode,
             logprob_abs_diff_max=self.last_alignment,
         )
-        if self.settings.eval_every:
+        if self.settings.eval_every and not resumed:
             await self._log_eval_only()
+
+    async def _resume(self, snapshot: Snapshot, state: LearnerInfo) -> None:
+        """Continue an earlier incarnation's run: see recovery.py for what each part of the plan means."""
+        ledger_lineage = snapshot.meta.get("lineage_id", "")
+        if ledger_lineage and state.lineage_id and ledger_lineage != state.lineage_id:
+            raise LedgerMismatch(
+                f"{self.store.path} belongs to learner lineage {ledger_lineage}, but the learner reports "
+                f"{state.lineage_id}: point the learner at this run's checkpoints, or use a new run dir"
+            )
+        plan = plan_recovery(snapshot, state)
+        self.generation = int(snapshot.meta.get("generation", "0"))
+        self._batches = dict(snapshot.batches)
+        self.ledger.restore(snapshot.groups)
+        self._positions = {g.group_id: g.position for g in snapshot.groups}
+        for group_id, reason in plan.drop:
+            self.ledger.advance(group_id, GroupState.DROPPED, reason, reissue=True)
+        await self._apply_learner_plan(plan, state, rewound_from=plan.rewound_from)
+        stored = await self.store.load_scored(plan.requeue)
+        self.recovered.extend(stored[gid] for gid in plan.requeue if gid in stored)
+        prompts = await self.store.load_prompts(plan.reissue)
+        self.reissue.extend((position, prompts[position]) for position in plan.reissue if position in prompts)
+        self.cursor = plan.next_position
+        log.info(
+            "resuming the run from its ledger",
+            step=self.step,
+            version=self.version,
+            replay=[b.step for b in plan.replay],
+            acknowledged=[b.step for b in plan.acknowledge],
+            requeued=len(self.recovered),
+            reissued=len(self.reissue),
+            dropped=len(plan.drop),
+            cursor=self.cursor,
+        )
+
+    async def _apply_learner_plan(
+        self, plan: RecoveryPlan, state: LearnerInfo, rewound_from: int | None
+    ) -> None:
+        """Acknowledge batches the learner trained unacknowledged, queue the ones to train again, and on
+        a rewind start a new lineage generation whose rollouts must first go back to the learner."""
+        for row in plan.acknowledge:
+            groups = await self.store.load_scored(row.group_ids)
+            self._acknowledge(row, state.instance_id)
+            if self._metrics is not None and self._metrics.last_step < row.step + 1:
+                rewards = [r for g in groups.values() for r in g.rewards]
+                self._metrics.write(
+                    {"step": row.step + 1, "weight_version": row.step + 1, "recovered": True,
+                     "reward_mean": statistics.fmean(rewards) if rewards else float("nan")}
+                )  # fmt: skip
+        self._replay = deque(plan.replay)
+        if rewound_from is None:
+            return
+        self.generation += 1
+        self._rewinds.append((self.generation, state.weight_version))
+        self.store.set_meta(generation=self.generation)
+        self.store.event(
+            "learner_rewind", to_version=state.weight_version, from_version=rewound_from,
+            retrain=[b.step for b in plan.replay], generation=self.generation,
+        )  # fmt: skip
+        for handle in self.pool.handles():
+            if handle.version > state.weight_version:
+                handle.needs_sync = True  # its weights are of the lost lineage: back to the learner's
+        assert self._metrics is not None
+        self._metrics.write(
+            {"event": "learner_rewind", "step": state.step, "weight_version": state.weight_version,
+             "rewound_from_version": rewound_from, "steps_to_retrain": len(plan.replay)}
+        )  # fmt: skip
+        log.warning(
+            "learner restarted from an older checkpoint: training its lost steps again",
+            to_version=state.weight_version,
+            from_version=rewound_from,
+            retrain=[b.step for b in plan.replay],
+        )
+
+    def _acknowledge(self, row: BatchRow, instance: str, version_after: int | None = None) -> None:
+        """Record that the learner trained `row` (its groups trained; a re-train leaves them so)."""
+        for group_id in row.group_ids:
+            if self.ledger.get(group_id).state != GroupState.TRAINED:
+                self.ledger.advance(group_id, GroupState.TRAINED)
+            self._positions.pop(group_id, None)
+        after = row.step + 1 if version_after is None else version_after  # version = step, always
+        self.store.trained(row.step, row.batch_id, after, instance, self.generation)
 
     async def _make_probe(self) -> types_pb2.TokenSequence:
         """A fixed probe: one seeded completion of the env's first eval prompt (from the first rollout
@@ -206,22 +343,42 @@ class Orchestrator:
 
     async def _feed_prompts(self) -> None:
         """Keep up to `prompt_buffer` prompts fetched ahead, refilled a chunk (one env call) at a time:
-        the feeder wakes once per chunk taken, not once per prompt."""
+        the feeder wakes once per chunk taken, not once per prompt.
+
+        The scheduler owns the train cursor: every draw names its start, so the env's own cursor (lost
+        when it restarts) never matters, and the ledger restores ours."""
         chunk = self._prompt_chunk
         while True:
             while self.prompts.maxsize - self.prompts.qsize() >= chunk:
-                for prompt in await self.env.sample(chunk, "train"):
-                    await self.prompts.put(prompt)
+                start = self.cursor
+                prompts = await self._patiently("env", partial(self.env.sample, chunk, "train", start=start))
+                self.cursor = start + len(prompts)
+                for offset, prompt in enumerate(prompts):
+                    await self.prompts.put((start + offset, prompt))
             self._prompt_room.clear()
             await self._prompt_room.wait()
 
-    async def _next_prompt(self) -> types_pb2.Prompt:
+    async def _next_prompt(self) -> Drawn:
         if self.reissue:
             return self.reissue.popleft()
-        prompt = await self.prompts.get()
+        drawn = await self.prompts.get()
         if self.prompts.maxsize - self.prompts.qsize() >= self._prompt_chunk:
             self._prompt_room.set()
-        return prompt
+        return drawn
+
+    async def _patiently(self, peer: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, retried while the peer is down (UNAVAILABLE: restarting), up to the restart timeout.
+        A call that merely timed out is not retried here: a hung reward or step is not a restart."""
+        cfg = self.settings.recovery
+        deadline = time.monotonic() + cfg.peer_restart_timeout
+        while True:
+            try:
+                return await call()
+            except Unavailable as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning(f"{peer} unreachable; retrying", error=str(exc))
+                await asyncio.sleep(cfg.retry_interval)
 
     async def _dispatch(self) -> None:
         cfg = self.settings
@@ -231,9 +388,12 @@ class Orchestrator:
                 lambda: expected_train_version(self.version, self.ledger.in_pipeline(), cfg.groups_per_batch),
                 cfg.max_staleness,
             )
-            prompt = await self._next_prompt()
-            record = self.ledger.issue(prompt.id, self.version)
+            position, prompt = await self._next_prompt()
+            record = self.ledger.issue(prompt.id, self.version, position, self.generation)
             record.rollout_id = handle.name
+            if record.attempt == 0:
+                self.store.prompt_issued(position, prompt)
+            self._positions[record.group_id] = position
             task = asyncio.create_task(self._run_group(record.group_id, prompt, handle))
             self._group_tasks.add(task)
             task.add_done_callback(self._group_tasks.discard)
@@ -255,10 +415,10 @@ class Orchestrator:
             return
         finally:
             await self.pool.release(handle)  # the rollout is free as soon as generation ends
-        self.ledger.advance(group_id, GroupState.GENERATED)
+        self.ledger.advance(group_id, GroupState.GENERATED, versions=versions)
         self.tokens.add(tokens)
-        try:
-            scores = await self.env.score(prompt, completions)
+        try:  # an env that went away (restarting) is waited for: the completions are kept
+            scores = await self._patiently("env", lambda: self.env.score(prompt, completions))
         except GrpoError as exc:
             self._fail_group(group_id, prompt, "env", exc)
             return
@@ -266,10 +426,16 @@ class Orchestrator:
             reasons = "; ".join(i.failure for i in scores.reward_infos if not i.ok)
             self._drop(group_id, f"scoring failed: {reasons}")
             return
+        if self.settings.dynamic_sampling and max(scores.rewards) - min(scores.rewards) <= 0.0:
+            self.ledger.advance(group_id, GroupState.FILTERED, "zero reward variance (dynamic sampling)")
+            self._positions.pop(group_id, None)
+            self._filtered += 1
+            await self.pool.notify()  # it left the pipeline: admission may let another group in
+            return
         self.ledger.advance(group_id, GroupState.SCORED)
-        await self.scored.put(
-            ScoredGroup(group_id, prompt, completions, scores.rewards, scores.reward_infos, versions)
-        )
+        group = ScoredGroup(group_id, prompt, completions, scores.rewards, scores.reward_infos, versions)
+        self.store.scored(group)
+        await self.scored.put(group)
 
     async def _generate(
         self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle
@@ -302,59 +468,105 @@ class Orchestrator:
             retry, reason = True, f"{where}: {type(exc).__name__}: {exc}"
         retry = retry and self.ledger.get(group_id).attempt + 1 < MAX_ATTEMPTS
         log.warning("group failed", group=group_id, reason=reason, reissue=retry)
-        self._drop(group_id, reason)
-        if retry:
-            self.reissue.append(prompt)
+        self._drop(group_id, reason, prompt if retry else None)
 
-    def _drop(self, group_id: str, reason: str) -> None:
+    def _drop(self, group_id: str, reason: str, reissue: types_pb2.Prompt | None = None) -> None:
+        """Drop a live group; with `reissue`, its prompt goes back to the queue (same position)."""
         record = self.ledger.get(group_id)
-        if record.state not in (GroupState.TRAINED, GroupState.DROPPED):
-            self.ledger.advance(group_id, GroupState.DROPPED, reason)
+        if record.state in (GroupState.TRAINED, GroupState.DROPPED, GroupState.FILTERED):
+            return
+        self.ledger.advance(group_id, GroupState.DROPPED, reason, reissue=reissue is not None)
+        position = self._positions.pop(group_id, record.position)
+        if reissue is not None:
+            self.reissue.append((position, reissue))
 
     # ---- training and weight sync ----------------------------------------------------------------
 
+    async def _next_scored(self) -> ScoredGroup:
+        return self.recovered.popleft() if self.recovered else await self.scored.get()
+
+    def _lost_lineage(self, group: ScoredGroup) -> bool:
+        """Issued before a learner rewind, with tokens of a version that rewind took back."""
+        generation = self.ledger.get(group.group_id).generation
+        floors = [floor for started, floor in self._rewinds if started > generation]
+        return bool(floors) and max(group.versions) > min(floors)
+
     async def _collect_batch(self) -> tuple[list[ScoredGroup], list[int]]:
-        """B groups within the staleness bound; late ones are dropped and their prompts re-issued."""
+        """B groups within the staleness bound; late ones (and ones of a lost learner lineage) are
+        dropped and their prompts re-issued."""
         groups, staleness = [], []
         while len(groups) < self.settings.groups_per_batch:
-            group = await self.scored.get()
+            group = await self._next_scored()
+            if self._lost_lineage(group):
+                self._drop(group.group_id, LOST_LINEAGE, group.prompt)
+                await self.pool.notify()
+                continue
             age = self.version - min(group.versions)
             if age > self.settings.max_staleness:
-                self._drop(group.group_id, f"stale by {age} versions")
-                self.reissue.append(group.prompt)
+                self._drop(group.group_id, f"stale by {age} versions", group.prompt)
                 await self.pool.notify()
                 continue
             groups.append(group)
             staleness.append(age)
         return groups, staleness
 
+    async def _next_batch(self) -> tuple[BatchRow, list[ScoredGroup], list[int], bool]:
+        """The next step's batch: one to train again (from the ledger) if any, else a new one, which is
+        on disk before the learner sees it (so its id always names the same groups)."""
+        if self._replay:
+            row = self._replay.popleft()
+            stored = await self.store.load_scored(row.group_ids)
+            missing = [gid for gid in row.group_ids if gid not in stored]
+            if missing:
+                raise RuntimeError(f"batch {row.batch_id}: the ledger lacks scored groups {missing}")
+            groups = [stored[gid] for gid in row.group_ids]
+            return row, groups, [row.train_version - min(g.versions) for g in groups], True
+        groups, staleness = await self._collect_batch()
+        row = BatchRow(self.step, f"step-{self.step}", self.version, tuple(g.group_id for g in groups))
+        self._batches[row.step] = row
+        await self.store.commit_batch(row)
+        return row, groups, staleness, False
+
     async def _train(self) -> None:
         cfg = self.settings
         while not cfg.max_steps or self.step < cfg.max_steps:
-            groups, staleness = await self._collect_batch()
-            batch = build_train_batch(groups, self.step, f"step-{self.step}", self.advantage_mode)
+            row, groups, staleness, retrained = await self._next_batch()
+            batch = build_train_batch(groups, row.step, row.batch_id, self.advantage_mode)
             step_started = time.perf_counter()
-            result = await self.learner.train_step(batch)
+            try:
+                result = await self.learner.train_step(batch)
+            except GrpoError as exc:
+                if not exc.unreachable:
+                    raise
+                self._replay.appendleft(row)  # sent again under its id, unless the learner trained it
+                await self._learner_lost(exc)
+                continue
             train_ms = (time.perf_counter() - step_started) * 1e3
-            for group in groups:
-                self.ledger.advance(group.group_id, GroupState.TRAINED)
+            self._acknowledge(row, self._learner_instance, result.weight_version)
             await self.pool.notify()
             self._staleness_total += sum(staleness)
             self._staleness_groups += len(staleness)
+            lost: GrpoError | None = None
             async with self.syncer.lock:
                 self.version, self.step = result.weight_version, result.step
-                # a health round may have caught some up to this version while we trained: never
-                # stage a version on a rollout that holds it (for nccl it would not join the broadcast)
-                behind = self.pool.behind(self.version)
-                sync = await self.syncer.sync(behind) if behind else SyncResult.nothing(self.version)
-                holding = len(self.pool.healthy()) - len(self.pool.behind(self.version))
-                self.last_alignment = await self._check_alignment(
-                    [h for h in self.pool.healthy() if h.version == self.version]
-                )
+                try:
+                    sync, holding = await self._sync_after_step()
+                except GrpoError as exc:  # the learner went away after training: the step stands
+                    if not exc.unreachable:
+                        raise
+                    lost, sync, holding = exc, SyncResult.nothing(self.version), 0
             await self.pool.notify()
             record = self._step_record(groups, staleness, result, sync, train_ms, holding)
-            if cfg.eval_every and self.step % cfg.eval_every == 0:
-                record.update(await self.evaluator.run(self.version))
+            record["retrained"] = retrained
+            record["filtered_groups"] = self._filtered
+            record["filtered_fraction"] = self._filtered / (self._filtered + len(groups))
+            self._filtered = 0
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and lost is None:
+                try:
+                    record.update(await self.evaluator.run(self.version))
+                except GrpoError as exc:  # a peer restarting: skip this evaluation, not the run
+                    log.warning("evaluation skipped", error=str(exc))
+                    record["eval_error"] = str(exc)
             assert self._metrics is not None
             self._metrics.write(record)
             log.info(
@@ -365,9 +577,60 @@ class Orchestrator:
                 sync_ms=round(sync.total_ms, 1),
                 diff=record["logprob_abs_diff_max"],
             )
+            if lost is not None:
+                await self._learner_lost(lost)
             # let the groups in flight run before the next batch is assembled: one step's bookkeeping
             # and the next batch's assembly in a single slice of the loop would hold them both up
             await asyncio.sleep(0)
+
+    async def _sync_after_step(self) -> tuple[SyncResult, int]:
+        """Bring the rollouts to the new version and probe them. Caller holds the syncer's lock."""
+        # a health round may have caught some up to this version while we trained: never
+        # stage a version on a rollout that holds it (for nccl it would not join the broadcast)
+        behind = self.pool.behind(self.version)
+        sync = await self.syncer.sync(behind) if behind else SyncResult.nothing(self.version)
+        holding = len(self.pool.healthy()) - len(self.pool.behind(self.version))
+        self.last_alignment = await self._check_alignment(
+            [h for h in self.pool.healthy() if h.version == self.version]
+        )
+        return sync, holding
+
+    async def _learner_lost(self, exc: GrpoError) -> None:
+        """The learner stopped answering: wait for it (a supervisor restarts it). The same process
+        again: carry on (a batch it did not acknowledge is sent again under its id). A restarted one:
+        plan from the ledger, which re-trains what its checkpoint lacks and moves the rollouts back."""
+        started = time.monotonic()
+        log.warning("learner unreachable: waiting for it to come back", error=str(exc))
+        state = await self._patiently("learner", self.learner.state)
+        if state.instance_id == self._learner_instance:
+            return
+        if self._lineage and state.lineage_id != self._lineage:
+            raise LedgerMismatch(
+                f"the learner came back with lineage {state.lineage_id}, not this run's {self._lineage} "
+                "(was it restarted without its checkpoint directory?)"
+            )
+        await self.store.flush()
+        plan = plan_recovery(await self.store.snapshot(), state)
+        self._learner_instance = state.instance_id
+        async with self.syncer.lock:
+            lost_at = self.version
+            self.version, self.step = state.weight_version, state.step
+            await self._apply_learner_plan(plan, state, rewound_from=plan.rewound_from)
+            sync, _ = await self._sync_after_step()
+        await self.pool.notify()
+        stall_s = time.monotonic() - started
+        self.store.event(
+            "learner_restart", stall_s=stall_s, lost_at_version=lost_at, version=state.weight_version,
+            retrain=[b.step for b in plan.replay], instance=state.instance_id,
+        )  # fmt: skip
+        log.warning(
+            "learner restarted: run continues",
+            stall_s=round(stall_s, 1),
+            version=state.weight_version,
+            was=lost_at,
+            retrain=len(plan.replay),
+            synced=sync.synced,
+        )
 
     def _step_record(
         self,
@@ -407,6 +670,12 @@ class Orchestrator:
         record.update(await self.evaluator.run(self.version))
         assert self._metrics is not None
         self._metrics.write(record)
+
+    async def _flush_ledger(self) -> None:
+        """Write the ledger's queued changes in the background (batches are written before training)."""
+        while True:
+            await asyncio.sleep(self.settings.recovery.ledger_flush_interval)
+            await self.store.flush()
 
     async def _monitor_health(self) -> None:
         """Poll rollouts; bring healthy ones that lag (restarted or newly registered) up to date."""

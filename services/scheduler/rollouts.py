@@ -86,7 +86,8 @@ class RolloutPool:
         handle.max_in_flight = max(1, info.max_in_flight)
         handle.weight_workers, handle.instance_id = info.weight_workers, info.instance_id
         if info.ready and not handle.healthy:
-            handle.needs_sync = handle.version != current_version
+            # sticky: a rollout flagged (failed sync, or weights of a lineage the learner lost) stays so
+            handle.needs_sync = handle.needs_sync or handle.version != current_version
             log.info(
                 "rollout healthy", rollout=handle.name, version=handle.version, needs_sync=handle.needs_sync
             )

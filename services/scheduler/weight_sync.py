@@ -65,15 +65,23 @@ class WeightSyncer:
         for handle in targets:
             handle.syncing = True
         try:
+            # a rollout holding this version or a newer one has weights of a lineage the learner lost
+            # when it restarted from an older checkpoint: it must go back (rewind)
+            rewind = {h.address for h in targets if h.version >= prepared.version}
             staged = await self._phase(
                 targets,
                 "stage",
-                lambda h: h.client.stage(prepared.message, prepared.stage_timeout),
+                lambda h: h.client.stage(
+                    prepared.message, prepared.stage_timeout, rewind=h.address in rewind
+                ),
                 prepared.version,
             )
             after_stage = time.perf_counter()
             committed = await self._phase(
-                staged, "commit", lambda h: h.client.commit(prepared.version), prepared.version
+                staged,
+                "commit",
+                lambda h: h.client.commit(prepared.version, rewind=h.address in rewind),
+                prepared.version,
             )
             for handle in committed:
                 handle.version, handle.needs_sync = prepared.version, False

@@ -69,11 +69,21 @@ class FakeEnv:
 
 
 class FakeLearner:
-    """Version = step; `prepare` publishes the current version; scores every token -1.0."""
+    """Version = step; `prepare` publishes the current version; scores every token -1.0. A batch whose
+    id is the last one trained is not trained again (as the real learner). Faults: `crash_before[s] = k`
+    (dies when batch s arrives), `crash_after[s] = k` (trains batch s, dies before answering); either
+    way it comes back `restart_delay` s later as a new process restored from its checkpoint at
+    version k (same lineage), and every call while it is down is UNAVAILABLE."""
 
     def __init__(self, loss: str = "grpo") -> None:
         self.version = 0
         self.loss = loss
+        self.alive = True
+        self.instance = 1
+        self.last_batch_id = ""
+        self.crash_before: dict[int, int] = {}
+        self.crash_after: dict[int, int] = {}
+        self.restart_delay = 0.05
         self.batches: list[Batch] = []
         self.prepared: set[int] = set()
         self.released: list[int] = []
@@ -84,19 +94,47 @@ class FakeLearner:
         async with self._stepped:
             await self._stepped.wait_for(lambda: self.version >= version)
 
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise Unavailable("learner: connection refused")
+
+    def _crash(self, restore_version: int) -> None:
+        self.alive = False
+
+        def restart() -> None:
+            self.version, self.alive, self.instance = restore_version, True, self.instance + 1
+            self.last_batch_id = f"step-{restore_version - 1}" if restore_version else ""
+            self.prepared.clear()
+
+        asyncio.get_running_loop().call_later(self.restart_delay, restart)
+
     async def state(self) -> LearnerInfo:
-        return LearnerInfo(self.version, self.version, self.loss)
+        self._check_alive()
+        return LearnerInfo(
+            self.version, self.version, self.loss, self.last_batch_id, "lineage-1", f"l{self.instance}"
+        )
 
     async def train_step(self, batch: Batch) -> StepResult:
+        self._check_alive()
+        if batch.step in self.crash_before:
+            self._crash(self.crash_before.pop(batch.step))
+            raise Unavailable("learner: connection reset")
+        if batch.batch_id == self.last_batch_id:
+            return StepResult(self.version, self.version, {"duplicate": 1.0})
         if batch.step != self.version:
             raise FailedPrecondition(f"batch for step {batch.step}, learner at {self.version}")
         self.batches.append(batch)
+        self.last_batch_id = batch.batch_id
         async with self._stepped:
             self.version += 1
             self._stepped.notify_all()
+        if batch.step in self.crash_after:
+            self._crash(self.crash_after.pop(batch.step))
+            raise Unavailable("learner: connection reset")
         return StepResult(self.version, self.version, {"loss": 0.5})
 
     async def prepare(self, kind: TransportKind, receivers: Sequence[Receiver] = ()) -> PreparedWeights:
+        self._check_alive()
         self.receivers.append(tuple(receivers))
         self.prepared.add(self.version)
         message = types_pb2.WeightVersion(version=self.version, parent_version=self.version - 1)
@@ -108,6 +146,7 @@ class FakeLearner:
         self.released.append(version)
 
     async def score_tokens(self, sequence: types_pb2.TokenSequence) -> TokenScores:
+        self._check_alive()
         return TokenScores([-1.0] * len(sequence.completion_token_ids), self.version)
 
     async def close(self) -> None:
@@ -174,16 +213,20 @@ class FakeRollout:
             for i in range(sampling.n)
         ]
 
-    async def stage(self, weights: types_pb2.WeightVersion, deadline_s: float | None = None) -> None:
+    async def stage(
+        self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False
+    ) -> None:
         self._check_alive()
         if self.fail_stage:
             raise self.fail_stage.pop(0)
-        if weights.version <= self.version:  # as the real rollout refuses it
+        if weights.version <= self.version and not rewind:  # as the real rollout refuses it
             raise Aborted(f"weight version {weights.version} is not newer than the loaded {self.version}")
         self.staged = weights.version
 
-    async def commit(self, version: int) -> None:
+    async def commit(self, version: int, rewind: bool = False) -> None:
         self._check_alive()
+        if version < self.version and not rewind:
+            raise Aborted(f"v{version} is older than the loaded v{self.version}")
         if self.staged != version:
             raise FailedPrecondition(f"v{version} is not staged")
         self.version, self.staged = version, None
@@ -232,6 +275,7 @@ def cluster(run_dir: Path, *rollouts: FakeRollout, **settings) -> Cluster:
         prompt_buffer=8,
         weight_transport="shared_memory",
         rollout_addresses=[],
+        recovery={"retry_interval": 0.01, "ledger_flush_interval": 0.01},
     )
     config = SchedulerSettings(**{**base, **settings})
     env, learner = FakeEnv(), FakeLearner()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import Aborted, InvalidArgument, Unavailable
 from services.scheduler.ledger import GroupState
 from services.scheduler.orchestrator import MAX_ATTEMPTS
 from services.scheduler.weight_sync import AlignmentError
@@ -75,12 +75,14 @@ async def test_an_unavailable_rollout_is_marked_unhealthy_and_its_groups_reissue
     assert len(_trained(c)) == 6
 
 
-async def test_an_env_failure_does_not_count_against_the_rollout(tmp_path: Path) -> None:
-    failures = {"p1": 1}
+async def test_an_env_restarting_is_waited_for_and_the_completions_are_kept(tmp_path: Path) -> None:
+    """Scoring a group while the env is down (UNAVAILABLE) is retried until it answers: the group is
+    neither dropped nor generated again, and the rollout is not blamed."""
+    down = {"calls": 12}  # the env's first 12 scoring calls find it down
 
     def flaky(prompt_id: str):
-        if failures.get(prompt_id):
-            failures[prompt_id] -= 1
+        if down["calls"]:
+            down["calls"] -= 1
             return Unavailable("env restarting")
         return None
 
@@ -88,11 +90,10 @@ async def test_an_env_failure_does_not_count_against_the_rollout(tmp_path: Path)
     c.env.fail_score = flaky
     await c.run()
     orch = c.orchestrator
-    assert orch.finished
-    dropped = [r for r in orch.ledger.records() if r.state == GroupState.DROPPED]
-    assert [(r.prompt_id, r.reason.split(":")[0]) for r in dropped] == [("p1", "env")]
+    assert orch.finished and down["calls"] == 0
+    assert not [r for r in orch.ledger.records() if r.state == GroupState.DROPPED]
     assert all(h.healthy for h in orch.pool.handles())
-    assert any(r.prompt_id == "p1" and r.state == GroupState.TRAINED for r in orch.ledger.records())
+    assert len(_trained(c)) == 6 and all(r.attempt == 0 for r in orch.ledger.records())
 
 
 async def test_a_prompt_is_given_up_after_the_attempt_limit_and_a_bad_request_is_never_retried(
@@ -100,7 +101,7 @@ async def test_a_prompt_is_given_up_after_the_attempt_limit_and_a_bad_request_is
 ) -> None:
     c = cluster(tmp_path, FakeRollout("r0"))
     c.env.fail_score = lambda prompt_id: {
-        "p0": Unavailable("always failing"),
+        "p0": Aborted("always failing"),
         "p1": InvalidArgument("prompt p1 is malformed"),
     }.get(prompt_id)
     await c.run()

@@ -70,7 +70,7 @@ async def test_a_failure_in_commit_also_drops_only_that_rollout() -> None:
     syncer, learner, pool = await _setup(good, bad)
     learner.version = 2
 
-    async def refuse(version: int) -> int:
+    async def refuse(version: int, rewind: bool = False) -> int:
         raise FailedPrecondition("load failed")
 
     bad.commit = refuse

@@ -1,4 +1,4 @@
-"""`python -m services.scheduler [--flags]` serves; `python -m services.scheduler audit RUN_DIR` audits a run."""
+"""`python -m services.scheduler [--flags]` serves; `... audit RUN_DIR` checks a run's ledger."""
 
 import sys
 

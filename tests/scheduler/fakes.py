@@ -263,8 +263,15 @@ class Cluster:
         await asyncio.wait_for(self.orchestrator.run(), timeout)
 
 
-def cluster(run_dir: Path, *rollouts: FakeRollout, **settings) -> Cluster:
-    """Fakes + an Orchestrator over them; `settings` override small, fast SchedulerSettings."""
+def cluster(
+    run_dir: Path,
+    *rollouts: FakeRollout,
+    env: FakeEnv | None = None,
+    learner: FakeLearner | None = None,
+    **settings,
+) -> Cluster:
+    """Fakes + an Orchestrator over them; `settings` override small, fast SchedulerSettings. Passing
+    the `env` and `learner` of an earlier cluster restarts a scheduler against the same peers."""
     base = dict(
         group_size=2,
         groups_per_batch=2,
@@ -278,7 +285,7 @@ def cluster(run_dir: Path, *rollouts: FakeRollout, **settings) -> Cluster:
         recovery={"retry_interval": 0.01, "ledger_flush_interval": 0.01},
     )
     config = SchedulerSettings(**{**base, **settings})
-    env, learner = FakeEnv(), FakeLearner()
+    env, learner = env or FakeEnv(), learner or FakeLearner()
     by_address = {r.address: r for r in rollouts}
     pool = RolloutPool(lambda address: by_address[address])
     for rollout in rollouts:

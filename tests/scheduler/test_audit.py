@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ def _good():
             ("c", 2, T, [0]),
             ("d", 3, T, [1]),
             ("e", 4, S, [2]),
-        ],  # fmt: skip
+        ],
         batches=[_row(0, "a#0", "b#1"), _row(1, "c#0", "d#0")],
         trainings=[_trained(0), _trained(1)],
     )
@@ -69,16 +70,20 @@ def test_each_broken_invariant_is_reported() -> None:
         assert any(needle in v for v in violations), (needle, violations)
 
 
-async def test_the_command_line_exits_nonzero_on_a_violation(tmp_path: Path) -> None:
+async def _ledger(run_dir: Path, trainings: list[tuple[int, str]]) -> None:
+    store = LedgerStore(run_dir)
+    await store.open()
+    store.set_meta(max_staleness=1, groups_per_batch=0)
+    await store.commit_batch(BatchRow(0, "step-0", 0, ()))
+    for step, batch_id in trainings:
+        store.trained(step, batch_id, step + 1, "i", 0)
+    await store.close()
+
+
+def test_the_command_line_exits_nonzero_on_a_violation(tmp_path: Path) -> None:
     good, bad = tmp_path / "good", tmp_path / "bad"
-    for run_dir, trainings in ((good, [(0, "step-0")]), (bad, [(0, "step-0"), (0, "step-7")])):
-        store = LedgerStore(run_dir)
-        await store.open()
-        store.set_meta(max_staleness=1, groups_per_batch=0)
-        await store.commit_batch(BatchRow(0, "step-0", 0, ()))
-        for step, batch_id in trainings:
-            store.trained(step, batch_id, step + 1, "i", 0)
-        await store.close()
+    asyncio.run(_ledger(good, [(0, "step-0")]))
+    asyncio.run(_ledger(bad, [(0, "step-0"), (0, "step-7")]))
     command = [sys.executable, "-m", "services.scheduler", "audit"]
     ok = subprocess.run([*command, str(good)], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "audit: OK" in ok.stdout, ok.stdout + ok.stderr

@@ -71,7 +71,7 @@ def test_after_a_scheduler_crash_the_unacknowledged_batch_is_sent_again_and_in_f
             ("e", 4, S, [1]),
             ("f", 5, G, [1]),
             ("g", 6, I, []),
-        ],  # fmt: skip
+        ],
         batches=[_row(0, "a#0", "b#0"), _row(1, "c#0", "d#0")],
         trainings=[_trained(0)],
     )
@@ -100,7 +100,7 @@ def test_a_learner_behind_the_ledger_rewinds_and_lost_lineage_groups_are_regener
             ("d", 3, T, [1]),
             ("e", 4, S, [2]),
             ("f", 5, S, [1]),
-        ],  # fmt: skip
+        ],
         batches=[_row(0, "a#0", "b#0"), _row(1, "c#0", "d#0")],
         trainings=[_trained(0), _trained(1)],
     )

@@ -50,7 +50,7 @@ def _trained(step: int, generation: int = 0, row_id: int = 0) -> TrainingRow:
     return TrainingRow(row_id or step + 1, step, f"step-{step}", step + 1, "i", generation)
 
 
-T, S, G, I, D = (
+T, S, G, ISS, D = (
     GroupState.TRAINED,
     GroupState.SCORED,
     GroupState.GENERATED,
@@ -70,7 +70,7 @@ def test_after_a_scheduler_crash_the_unacknowledged_batch_is_sent_again_and_in_f
             ("d", 3, S, [1]),
             ("e", 4, S, [1]),
             ("f", 5, G, [1]),
-            ("g", 6, I, []),
+            ("g", 6, ISS, []),
         ],
         batches=[_row(0, "a#0", "b#0"), _row(1, "c#0", "d#0")],
         trainings=[_trained(0)],

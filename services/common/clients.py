@@ -30,6 +30,10 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # server: accept our 30 s pings
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.so_reuseport", 0),
+        # a peer that restarts (a supervisor brings it back on its port) is found again within ~5 s,
+        # not after gRPC's default reconnect back-off of up to 120 s
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
 
 

@@ -503,7 +503,7 @@ async def drive(args: argparse.Namespace, env: Any, learner: Any, pool: RolloutP
             rollout_addresses=[],
         )
         orchestrator = Orchestrator(settings, env, learner, pool)
-        orchestrator.scored = StampedQueue(orchestrator.scored.maxsize, stamps)
+        orchestrator.groups.scored = StampedQueue(orchestrator.groups.scored.maxsize, stamps)
         _time_train_steps(learner, stamps)
         await orchestrator.run()
         counts = orchestrator.ledger.counts()

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from services.scheduler.clients import ScoredGroup, StepResult
+from services.scheduler.weight_sync import SyncResult
 
 REQUIRED_KEYS = (
     "step",
@@ -71,3 +76,32 @@ class TokenRate:
         rate = self._tokens / max(now - self._since, 1e-9)
         self._tokens, self._since = 0, now
         return rate
+
+
+def step_record(
+    groups: Sequence[ScoredGroup],
+    staleness: Sequence[int],
+    result: StepResult,
+    sync: SyncResult,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One optimizer step's metrics row: rewards, staleness, the sync's phases, the learner's metrics
+    (as `learner/<name>`) and whatever the caller adds."""
+    rewards = [r for g in groups for r in g.rewards]
+    reward_mean = statistics.fmean(rewards)
+    return {
+        "step": result.step,
+        "weight_version": result.weight_version,
+        "reward_mean": reward_mean,
+        "reward_std": math.sqrt(math.fsum((r - reward_mean) ** 2 for r in rewards) / len(rewards)),
+        "loss": result.metrics.get("loss", float("nan")),
+        "staleness_mean": statistics.fmean(staleness),
+        "staleness_max": max(staleness),
+        "sync_ms": sync.total_ms,
+        "sync_prepare_ms": sync.prepare_ms,
+        "sync_stage_ms": sync.stage_ms,
+        "sync_commit_ms": sync.commit_ms,
+        "behaviour_versions": sorted(set().union(*(g.versions for g in groups))),
+        **extra,
+        **{f"learner/{k}": v for k, v in result.metrics.items()},
+    }

@@ -18,20 +18,14 @@ learner that comes back from an older checkpoint is caught up by training the sa
 from __future__ import annotations
 
 import asyncio
-import math
-import operator
 import statistics
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from functools import partial
-from typing import TypeVar
 
 from grpo.common.v1 import types_pb2
 from services.common.advantages import MODE_FOR_LOSS, AdvantageMode
-from services.common.errors import GrpoError, Unavailable
+from services.common.errors import GrpoError
 from services.common.logging import get_logger
 from services.scheduler.clients import (
     EnvClient,
@@ -43,55 +37,17 @@ from services.scheduler.clients import (
 )
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.evaluation import Evaluator
+from services.scheduler.groups import GroupPipeline, patiently
 from services.scheduler.ledger import GroupLedger, GroupState
-from services.scheduler.metrics import MetricsLog, TokenRate
-from services.scheduler.policy import build_train_batch, expected_train_version
+from services.scheduler.metrics import MetricsLog, step_record
+from services.scheduler.policy import build_train_batch
 from services.scheduler.recovery import LOST_LINEAGE, LedgerMismatch, RecoveryPlan, plan_recovery
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
+from services.scheduler.status import RolloutStatus, SchedulerStatus
 from services.scheduler.store import BatchRow, LedgerStore, Snapshot, new_run_id
 from services.scheduler.weight_sync import AlignmentError, SyncResult, WeightSyncer
 
 log = get_logger(__name__)
-
-# A prompt whose group failed this many times is given up (logged and counted as dropped).
-MAX_ATTEMPTS = 5
-
-_BY_INDEX = operator.attrgetter("index")
-T = TypeVar("T")
-
-# A train prompt and its position in the env's train stream (re-issued prompts keep theirs).
-Drawn = tuple[int, types_pb2.Prompt]
-
-
-class PeerGone(RuntimeError):
-    """A peer stayed unreachable past `recovery.peer_restart_timeout`."""
-
-
-@dataclass(frozen=True)
-class RolloutStatus:
-    rollout_id: str
-    address: str
-    weight_version: int
-    in_flight: int
-    max_in_flight: int
-    healthy: bool
-
-
-@dataclass(frozen=True)
-class SchedulerStatus:
-    """What GetStatus reports: versions, progress, queues, rollouts, alignment and errors."""
-
-    learner_version: int
-    step: int
-    paused: bool
-    finished: bool
-    max_steps: int
-    groups_by_state: dict[str, int]
-    queue_depths: dict[str, int]
-    rollouts: list[RolloutStatus]
-    staleness_mean: float
-    logprob_abs_diff_max: float
-    error: str
 
 
 class Orchestrator:
@@ -104,42 +60,24 @@ class Orchestrator:
         self.ledger = GroupLedger(sink=self.store.group_changed)
         self.syncer = WeightSyncer(learner, pool, settings.weight_transport)
         self.evaluator = Evaluator(settings, env, pool)
-        batch = settings.groups_per_batch
-        self.prompts: asyncio.Queue[Drawn] = asyncio.Queue(maxsize=settings.prompt_buffer)
-        self._prompt_chunk = min(settings.prompt_buffer, max(1, settings.groups_per_batch))
-        self._prompt_room = asyncio.Event()  # set when the buffer has room for another chunk
-        self.cursor = 0  # the next train-stream position to draw (the ledger restores it)
-        self.reissue: deque[Drawn] = deque()
-        self.scored: asyncio.Queue[ScoredGroup] = asyncio.Queue(maxsize=(settings.max_staleness + 1) * batch)
+        self.groups = GroupPipeline(
+            settings, env, pool, self.ledger, self.store, lambda: self.version, lambda: self.generation
+        )
         self.recovered: deque[ScoredGroup] = deque()  # scored groups a restart found unbatched: first in
         self._batches: dict[int, BatchRow] = {}  # every batch of the run, by step (ids only)
         self._replay: deque[BatchRow] = deque()  # batches to train (again) before new ones
-        self._positions: dict[str, int] = {}  # group id → train position (until the group is terminal)
         self.generation = 0  # learner lineage generation: +1 at every rewind
         self._rewinds: list[tuple[int, int]] = []  # (generation started, version rewound to)
         self._learner_instance = ""
         self._lineage = ""
-        self._filtered = 0  # groups filtered (dynamic sampling) since the last step
-        s = settings.sampling
-        self.sampling = Sampling(
-            n=settings.group_size,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_tokens=s.max_tokens,
-        )
         self.version = 0
         self.step = 0
-        self.resumed = asyncio.Event()
-        self.resumed.set()
         self.finished = False
         self.error = ""
         self.last_alignment = 0.0
         self._staleness_total, self._staleness_groups = 0, 0  # over every trained group (GetStatus)
-        self.tokens = TokenRate()
         self.probe: types_pb2.TokenSequence | None = None
         self.advantage_mode = settings.advantage_mode
-        self._group_tasks: set[asyncio.Task] = set()
         self._metrics: MetricsLog | None = None  # opened when the run starts
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -152,8 +90,8 @@ class Orchestrator:
             snapshot = await self.store.open()
             await self._prepare(snapshot)
             background = [
-                asyncio.create_task(self._feed_prompts(), name="feeder"),
-                asyncio.create_task(self._dispatch(), name="dispatcher"),
+                asyncio.create_task(self.groups.feed(), name="feeder"),
+                asyncio.create_task(self.groups.dispatch(), name="dispatcher"),
                 asyncio.create_task(self._monitor_health(), name="health"),
                 asyncio.create_task(self._flush_ledger(), name="ledger"),
             ]
@@ -173,9 +111,10 @@ class Orchestrator:
             log.exception("run failed", error=self.error)
             raise
         finally:
-            for task in [*background, *self._group_tasks]:
+            in_flight = list(self.groups.tasks)
+            for task in [*background, *in_flight]:
                 task.cancel()
-            await asyncio.gather(*background, *self._group_tasks, return_exceptions=True)
+            await asyncio.gather(*background, *in_flight, return_exceptions=True)
             await self.store.close()
             self._metrics.close()
 
@@ -201,7 +140,7 @@ class Orchestrator:
                 generation=0,
                 first_step=state.step,
             )
-            self.cursor = 0
+            self.groups.cursor = 0
         self.store.event("scheduler_start", step=self.step, version=self.version, resumed=resumed)
         await self.store.flush()
         await self.pool.refresh_all(self.version)
@@ -234,15 +173,14 @@ class Orchestrator:
         self.generation = int(snapshot.meta.get("generation", "0"))
         self._batches = dict(snapshot.batches)
         self.ledger.restore(snapshot.groups)
-        self._positions = {g.group_id: g.position for g in snapshot.groups}
         for group_id, reason in plan.drop:
             self.ledger.advance(group_id, GroupState.DROPPED, reason, reissue=True)
         await self._apply_learner_plan(plan, state, rewound_from=plan.rewound_from)
         stored = await self.store.load_scored(plan.requeue)
         self.recovered.extend(stored[gid] for gid in plan.requeue if gid in stored)
         prompts = await self.store.load_prompts(plan.reissue)
-        self.reissue.extend((position, prompts[position]) for position in plan.reissue if position in prompts)
-        self.cursor = plan.next_position
+        self.groups.reissue.extend((p, prompts[p]) for p in plan.reissue if p in prompts)
+        self.groups.cursor = plan.next_position
         log.info(
             "resuming the run from its ledger",
             step=self.step,
@@ -250,9 +188,9 @@ class Orchestrator:
             replay=[b.step for b in plan.replay],
             acknowledged=[b.step for b in plan.acknowledge],
             requeued=len(self.recovered),
-            reissued=len(self.reissue),
+            reissued=len(self.groups.reissue),
             dropped=len(plan.drop),
-            cursor=self.cursor,
+            cursor=self.groups.cursor,
         )
 
     async def _apply_learner_plan(
@@ -299,7 +237,6 @@ class Orchestrator:
         for group_id in row.group_ids:
             if self.ledger.get(group_id).state != GroupState.TRAINED:
                 self.ledger.advance(group_id, GroupState.TRAINED)
-            self._positions.pop(group_id, None)
         after = row.step + 1 if version_after is None else version_after  # version = step, always
         self.store.trained(row.step, row.batch_id, after, instance, self.generation)
 
@@ -339,151 +276,10 @@ class Orchestrator:
             log.warning(message)
         return diff
 
-    # ---- prompts and generation ----------------------------------------------------------------------
-
-    async def _feed_prompts(self) -> None:
-        """Keep up to `prompt_buffer` prompts fetched ahead, refilled a chunk (one env call) at a time:
-        the feeder wakes once per chunk taken, not once per prompt.
-
-        The scheduler owns the train cursor: every draw names its start, so the env's own cursor (lost
-        when it restarts) never matters, and the ledger restores ours."""
-        chunk = self._prompt_chunk
-        while True:
-            while self.prompts.maxsize - self.prompts.qsize() >= chunk:
-                start = self.cursor
-                prompts = await self._patiently("env", partial(self.env.sample, chunk, "train", start=start))
-                self.cursor = start + len(prompts)
-                for offset, prompt in enumerate(prompts):
-                    await self.prompts.put((start + offset, prompt))
-            self._prompt_room.clear()
-            await self._prompt_room.wait()
-
-    async def _next_prompt(self) -> Drawn:
-        if self.reissue:
-            return self.reissue.popleft()
-        drawn = await self.prompts.get()
-        if self.prompts.maxsize - self.prompts.qsize() >= self._prompt_chunk:
-            self._prompt_room.set()
-        return drawn
-
-    async def _patiently(self, peer: str, call: Callable[[], Awaitable[T]]) -> T:
-        """`call()`, retried while the peer is down (UNAVAILABLE: restarting), up to the restart timeout.
-        A call that merely timed out is not retried here: a hung reward or step is not a restart."""
-        cfg = self.settings.recovery
-        deadline = time.monotonic() + cfg.peer_restart_timeout
-        while True:
-            try:
-                return await call()
-            except Unavailable as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning(f"{peer} unreachable; retrying", error=str(exc))
-                await asyncio.sleep(cfg.retry_interval)
-
-    async def _dispatch(self) -> None:
-        cfg = self.settings
-        while True:
-            await self.resumed.wait()
-            handle = await self.pool.acquire(
-                lambda: expected_train_version(self.version, self.ledger.in_pipeline(), cfg.groups_per_batch),
-                cfg.max_staleness,
-            )
-            position, prompt = await self._next_prompt()
-            record = self.ledger.issue(prompt.id, self.version, position, self.generation)
-            record.rollout_id = handle.name
-            if record.attempt == 0:
-                self.store.prompt_issued(position, prompt)
-            self._positions[record.group_id] = position
-            task = asyncio.create_task(self._run_group(record.group_id, prompt, handle))
-            self._group_tasks.add(task)
-            task.add_done_callback(self._group_tasks.discard)
-            await asyncio.sleep(0)
-
-    async def _run_group(self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle) -> None:
-        """Generate (rollout) → score (env) → queue for training. Failures drop the group; retryable
-        ones re-issue its prompt, and only a rollout failure counts against the rollout."""
-        try:
-            completions, versions, tokens = await self._generate(group_id, prompt, handle)
-        except GrpoError as exc:
-            if exc.unreachable:
-                await self.pool.mark(handle, healthy=False)
-            self._fail_group(group_id, prompt, f"rollout {handle.name}", exc)
-            return
-        except Exception as exc:  # a broken answer from the rollout: log it, never lose the prompt
-            log.exception("rollout returned an unusable group", group=group_id, rollout=handle.name)
-            self._fail_group(group_id, prompt, f"rollout {handle.name}", exc)
-            return
-        finally:
-            await self.pool.release(handle)  # the rollout is free as soon as generation ends
-        self.ledger.advance(group_id, GroupState.GENERATED, versions=versions)
-        self.tokens.add(tokens)
-        try:  # an env that went away (restarting) is waited for: the completions are kept
-            scores = await self._patiently("env", lambda: self.env.score(prompt, completions))
-        except GrpoError as exc:
-            self._fail_group(group_id, prompt, "env", exc)
-            return
-        if scores.skip_group:  # the env's failure policy: a reward could not be computed
-            reasons = "; ".join(i.failure for i in scores.reward_infos if not i.ok)
-            self._drop(group_id, f"scoring failed: {reasons}")
-            return
-        if self.settings.dynamic_sampling and max(scores.rewards) - min(scores.rewards) <= 0.0:
-            self.ledger.advance(group_id, GroupState.FILTERED, "zero reward variance (dynamic sampling)")
-            self._positions.pop(group_id, None)
-            self._filtered += 1
-            await self.pool.notify()  # it left the pipeline: admission may let another group in
-            return
-        self.ledger.advance(group_id, GroupState.SCORED)
-        group = ScoredGroup(group_id, prompt, completions, scores.rewards, scores.reward_infos, versions)
-        self.store.scored(group)
-        await self.scored.put(group)
-
-    async def _generate(
-        self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle
-    ) -> tuple[list[types_pb2.Completion], set[int], int]:
-        """The group in index order, checked (indices 0..G-1, tokens stamped with weight versions), with
-        the versions that produced it and its completion-token count: read once, here."""
-        completions = sorted(await handle.client.generate(group_id, prompt, self.sampling), key=_BY_INDEX)
-        versions: set[int] = set()
-        tokens = 0
-        complete = len(completions) == self.settings.group_size
-        for i, c in enumerate(completions):  # one pass: every field read here is read once per group
-            if c.index != i:
-                complete = False
-                break
-            tokens += len(c.completion_token_ids)
-            for span in c.version_spans:
-                versions.add(span.version)
-        if not complete:
-            indices = [c.index for c in completions]
-            raise RuntimeError(f"group {group_id}: rollout returned completion indices {indices}")
-        if not versions:
-            raise ValueError(f"group {group_id}: completions carry no weight-version spans")
-        return completions, versions, tokens
-
-    def _fail_group(self, group_id: str, prompt: types_pb2.Prompt, where: str, exc: Exception) -> None:
-        """Drop the group; re-issue its prompt unless the failure says the request itself is bad."""
-        if isinstance(exc, GrpoError):
-            retry, reason = exc.retryable, f"{where}: {exc}"
-        else:
-            retry, reason = True, f"{where}: {type(exc).__name__}: {exc}"
-        retry = retry and self.ledger.get(group_id).attempt + 1 < MAX_ATTEMPTS
-        log.warning("group failed", group=group_id, reason=reason, reissue=retry)
-        self._drop(group_id, reason, prompt if retry else None)
-
-    def _drop(self, group_id: str, reason: str, reissue: types_pb2.Prompt | None = None) -> None:
-        """Drop a live group; with `reissue`, its prompt goes back to the queue (same position)."""
-        record = self.ledger.get(group_id)
-        if record.state in (GroupState.TRAINED, GroupState.DROPPED, GroupState.FILTERED):
-            return
-        self.ledger.advance(group_id, GroupState.DROPPED, reason, reissue=reissue is not None)
-        position = self._positions.pop(group_id, record.position)
-        if reissue is not None:
-            self.reissue.append((position, reissue))
-
     # ---- training and weight sync ----------------------------------------------------------------
 
     async def _next_scored(self) -> ScoredGroup:
-        return self.recovered.popleft() if self.recovered else await self.scored.get()
+        return self.recovered.popleft() if self.recovered else await self.groups.scored.get()
 
     def _lost_lineage(self, group: ScoredGroup) -> bool:
         """Issued before a learner rewind, with tokens of a version that rewind took back."""
@@ -498,12 +294,12 @@ class Orchestrator:
         while len(groups) < self.settings.groups_per_batch:
             group = await self._next_scored()
             if self._lost_lineage(group):
-                self._drop(group.group_id, LOST_LINEAGE, group.prompt)
+                self.groups.drop(group.group_id, LOST_LINEAGE, group.prompt)
                 await self.pool.notify()
                 continue
             age = self.version - min(group.versions)
             if age > self.settings.max_staleness:
-                self._drop(group.group_id, f"stale by {age} versions", group.prompt)
+                self.groups.drop(group.group_id, f"stale by {age} versions", group.prompt)
                 await self.pool.notify()
                 continue
             groups.append(group)
@@ -556,11 +352,14 @@ class Orchestrator:
                         raise
                     lost, sync, holding = exc, SyncResult.nothing(self.version), 0
             await self.pool.notify()
-            record = self._step_record(groups, staleness, result, sync, train_ms, holding)
+            # rollouts_synced: healthy rollouts on this version after the step's sync
+            record = self._step_record(
+                groups, staleness, result, sync, train_ms=train_ms, rollouts_synced=holding
+            )
             record["retrained"] = retrained
-            record["filtered_groups"] = self._filtered
-            record["filtered_fraction"] = self._filtered / (self._filtered + len(groups))
-            self._filtered = 0
+            filtered, self.groups.filtered = self.groups.filtered, 0
+            record["filtered_groups"] = filtered
+            record["filtered_fraction"] = filtered / (filtered + len(groups))
             if cfg.eval_every and self.step % cfg.eval_every == 0 and lost is None:
                 try:
                     record.update(await self.evaluator.run(self.version))
@@ -601,7 +400,7 @@ class Orchestrator:
         plan from the ledger, which re-trains what its checkpoint lacks and moves the rollouts back."""
         started = time.monotonic()
         log.warning("learner unreachable: waiting for it to come back", error=str(exc))
-        state = await self._patiently("learner", self.learner.state)
+        state = await patiently(self.settings.recovery, "learner", self.learner.state)
         if state.instance_id == self._learner_instance:
             return
         if self._lineage and state.lineage_id != self._lineage:
@@ -633,37 +432,19 @@ class Orchestrator:
         )
 
     def _step_record(
-        self,
-        groups: list[ScoredGroup],
-        staleness: list[int],
-        result: StepResult,
-        sync: SyncResult,
-        train_ms: float,
-        holding: int,
+        self, groups: list[ScoredGroup], staleness: list[int], result: StepResult, sync: SyncResult, **extra
     ) -> dict:
-        rewards = [r for g in groups for r in g.rewards]
-        reward_mean = statistics.fmean(rewards)
-        return {
-            "step": result.step,
-            "weight_version": result.weight_version,
-            "reward_mean": reward_mean,
-            "reward_std": math.sqrt(math.fsum((r - reward_mean) ** 2 for r in rewards) / len(rewards)),
-            "loss": result.metrics.get("loss", float("nan")),
-            "staleness_mean": statistics.fmean(staleness),
-            "staleness_max": max(staleness),
-            "sync_ms": sync.total_ms,
-            "sync_prepare_ms": sync.prepare_ms,
-            "sync_stage_ms": sync.stage_ms,
-            "sync_commit_ms": sync.commit_ms,
-            "weight_transport": self.settings.weight_transport.value,
-            "logprob_abs_diff_max": self.last_alignment,
-            "tokens_per_s": self.tokens.take(),
-            "train_ms": train_ms,
-            "groups_dropped": self.ledger.counts()["dropped"],
-            "behaviour_versions": sorted(set().union(*(g.versions for g in groups))),
-            "rollouts_synced": holding,  # healthy rollouts on this version after the step's sync
-            **{f"learner/{k}": v for k, v in result.metrics.items()},
-        }
+        return step_record(
+            groups,
+            staleness,
+            result,
+            sync,
+            weight_transport=self.settings.weight_transport.value,
+            logprob_abs_diff_max=self.last_alignment,
+            tokens_per_s=self.groups.tokens.take(),
+            groups_dropped=self.ledger.counts()["dropped"],
+            **extra,
+        )
 
     async def _log_eval_only(self) -> None:
         record = {"step": self.step, "weight_version": self.version, "eval_only": True}
@@ -703,14 +484,11 @@ class Orchestrator:
 
     @property
     def paused(self) -> bool:
-        return not self.resumed.is_set()
+        return self.groups.paused
 
     def pause(self, paused: bool) -> None:
         """Stop (or restart) issuing new groups; in-flight groups still finish and train."""
-        if paused:
-            self.resumed.clear()
-        else:
-            self.resumed.set()
+        self.groups.pause(paused)
 
     def status(self) -> SchedulerStatus:
         return SchedulerStatus(
@@ -721,9 +499,9 @@ class Orchestrator:
             max_steps=self.settings.max_steps,
             groups_by_state=self.ledger.counts(),
             queue_depths={
-                "prompts": self.prompts.qsize(),
-                "reissue": len(self.reissue),
-                "scored": self.scored.qsize(),
+                "prompts": self.groups.prompts.qsize(),
+                "reissue": len(self.groups.reissue),
+                "scored": self.groups.scored.qsize() + len(self.recovered),
             },
             rollouts=[
                 RolloutStatus(h.rollout_id, h.address, h.version, h.in_flight, h.max_in_flight, h.healthy)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import Aborted, InvalidArgument, Unavailable
+from services.scheduler.groups import MAX_ATTEMPTS
 from services.scheduler.ledger import GroupState
-from services.scheduler.orchestrator import MAX_ATTEMPTS
 from services.scheduler.weight_sync import AlignmentError
 
 from .fakes import FakeRollout, cluster
@@ -241,8 +241,8 @@ async def test_prompts_are_fetched_ahead_up_to_the_buffer_and_no_further(tmp_pat
     run = asyncio.create_task(c.run())
     for _ in range(20):
         await asyncio.sleep(0.002)
-    assert c.orchestrator.prompts.qsize() <= 5 and c.env.cursor <= 5
-    assert c.orchestrator.prompts.qsize() >= 5 - 2  # refilled a chunk (B prompts) at a time
+    assert c.orchestrator.groups.prompts.qsize() <= 5 and c.env.cursor <= 5
+    assert c.orchestrator.groups.prompts.qsize() >= 5 - 2  # refilled a chunk (B prompts) at a time
     c.orchestrator.pause(False)
     await run
     assert c.orchestrator.finished and len(_trained(c)) == 6

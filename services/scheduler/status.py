@@ -1,0 +1,32 @@
+"""What the scheduler reports about a run (GetStatus): plain values, built by the orchestrator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RolloutStatus:
+    rollout_id: str
+    address: str
+    weight_version: int
+    in_flight: int
+    max_in_flight: int
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class SchedulerStatus:
+    """What GetStatus reports: versions, progress, queues, rollouts, alignment and errors."""
+
+    learner_version: int
+    step: int
+    paused: bool
+    finished: bool
+    max_steps: int
+    groups_by_state: dict[str, int]
+    queue_depths: dict[str, int]
+    rollouts: list[RolloutStatus]
+    staleness_mean: float
+    logprob_abs_diff_max: float
+    error: str

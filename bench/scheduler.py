@@ -238,11 +238,13 @@ class StubRollout:
             self.available[request_id] = time.perf_counter()
             answer.set_result(group)
 
-    async def stage(self, weights: types_pb2.WeightVersion, deadline_s: float | None = None) -> None:
+    async def stage(
+        self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False
+    ) -> None:
         await asyncio.sleep(0)
         self.staged = weights.version
 
-    async def commit(self, version: int) -> None:
+    async def commit(self, version: int, rewind: bool = False) -> None:
         await asyncio.sleep(0)
         if self.staged != version:
             raise RuntimeError(f"stub rollout {self.address}: v{version} is not staged")

@@ -5,7 +5,11 @@ Layout of `<dir>/step_00000012/`:
     optimizer.pt        optimizer + LR-schedule state (torch.save of tensors and numbers;
                         loaded with weights_only=True, so no arbitrary pickle)
     rng.pt              torch CPU / CUDA, Python `random` RNG states
-    state.json          weight version, step, id of the last consumed batch, loss and model
+    state.json          weight version, step, id of the last consumed batch, loss, model, lineage
+
+`<dir>/lineage.json` names the run's learner lineage: written once, when the directory is first used,
+and kept by every process that resumes from it, so a scheduler can tell a learner restarted from this
+run's checkpoints from one of another run.
 
 A checkpoint is written into `<dir>/.tmp-step_…-<pid>` and renamed into place, so a crash never
 leaves a half-written `step_*` directory; only the newest `keep` are kept.
@@ -17,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +38,27 @@ class TrainerState:
     last_batch_id: str
     loss: str
     model: str
+    lineage_id: str = ""  # empty in checkpoints written before lineages existed
+
+
+LINEAGE_FILE = "lineage.json"
+
+
+def ensure_lineage(root: Path) -> str:
+    """The lineage id of the checkpoint directory `root`, created (atomically) on first use."""
+    path = root / LINEAGE_FILE
+    if path.exists():
+        return json.loads(path.read_text())["lineage_id"]
+    root.mkdir(parents=True, exist_ok=True)
+    lineage = uuid.uuid4().hex[:12]
+    tmp = root / f".tmp-{LINEAGE_FILE}-{os.getpid()}"
+    with tmp.open("w") as handle:
+        json.dump({"lineage_id": lineage}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.rename(tmp, path)
+    _fsync_dir(root)
+    return lineage
 
 
 def rng_state() -> dict:

@@ -50,6 +50,9 @@ class LearnerState:
     prepared_versions: list[int]
     device: str
     dtype: str
+    last_batch_id: str
+    lineage_id: str
+    instance_id: str
 
 
 def _resolve(future: asyncio.Future, value: object) -> None:
@@ -243,4 +246,7 @@ class Learner:
             prepared_versions=self.store.versions(),
             device=str(trainer.device),
             dtype=dtype_name(trainer.compute_dtype),
+            last_batch_id=trainer.last_batch_id,
+            lineage_id=trainer.lineage_id or self.run_id,
+            instance_id=self.run_id,
         )

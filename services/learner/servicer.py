@@ -94,4 +94,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             prepared_versions=s.prepared_versions,
             device=s.device,
             dtype=s.dtype,
+            last_batch_id=s.last_batch_id,
+            lineage_id=s.lineage_id,
+            instance_id=s.instance_id,
         )

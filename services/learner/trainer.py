@@ -90,6 +90,8 @@ class Trainer:
         self.last_batch_id = ""
         self.last_outcome: StepOutcome | None = None
         self._saved_step = 0  # step 0 is the model as loaded: nothing to checkpoint
+        root = settings.checkpoint.dir
+        self.lineage_id = ckpt.ensure_lineage(root) if root is not None else ""
         if settings.checkpoint.resume:
             self._resume()
 
@@ -202,7 +204,12 @@ class Trainer:
         if cfg.dir is None or self._saved_step == self.step:
             return None
         state = ckpt.TrainerState(
-            self.weight_version, self.step, self.last_batch_id, self.loss_cfg.kind, self.settings.model
+            self.weight_version,
+            self.step,
+            self.last_batch_id,
+            self.loss_cfg.kind,
+            self.settings.model,
+            self.lineage_id,
         )
         path = ckpt.save_checkpoint(
             cfg.dir,
@@ -223,6 +230,11 @@ class Trainer:
         if loaded is None:
             log.info("no checkpoint to resume from; starting fresh", dir=str(root))
             return
+        if loaded.state.lineage_id and loaded.state.lineage_id != self.lineage_id:
+            raise ValueError(
+                f"checkpoint {loaded.path} is of lineage {loaded.state.lineage_id}, but {root} is of "
+                f"{self.lineage_id} ({ckpt.LINEAGE_FILE}): checkpoints of two runs are mixed"
+            )
         if loaded.state.loss != self.loss_cfg.kind or loaded.state.model != self.settings.model:
             log.warning("resuming with a different loss/model", checkpoint=loaded.state.__dict__)
         load_trainable_state(self.model, loaded.params)

@@ -221,16 +221,17 @@ class Rollout:
         return logprobs, version
 
     # ------------------------------------------------------------------ weights
-    async def stage_weights(self, target: StageTarget) -> Staged:
-        return await self._stager.stage(target, self._engine.weight_version)
+    async def stage_weights(self, target: StageTarget, rewind: bool = False) -> Staged:
+        return await self._stager.stage(target, self._engine.weight_version, rewind)
 
-    async def commit_weights(self, version: int) -> CommitResult:
-        """Load the staged `version` (idempotent when it is already the loaded one)."""
+    async def commit_weights(self, version: int, rewind: bool = False) -> CommitResult:
+        """Load the staged `version` (idempotent when it is already the loaded one). `rewind`: also an
+        older version (the learner restarted from an older checkpoint)."""
         async with self._commit_lock:
             current = self._engine.weight_version
             if version == current and self._stager.staged_version != version:
                 return CommitResult(version, LoadTimings(0.0, 0.0))
-            if version < current:
+            if version < current and not rewind:
                 raise Aborted(f"weight version {version} is older than the loaded version {current}")
             staged = await self._stager.take(version)
             previous, self._status = self._status, Status.UPDATING

@@ -109,7 +109,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def StageWeights(
         self, request: rollout_pb2.StageWeightsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.StageWeightsResponse:
-        staged = await self._rollout.stage_weights(transports.target_from_proto(request.weight_version))
+        staged = await self._rollout.stage_weights(
+            transports.target_from_proto(request.weight_version), request.rewind
+        )
         return rollout_pb2.StageWeightsResponse(
             version=staged.version, bytes=staged.manifest.total_bytes, fetch_ms=staged.fetch_ms
         )
@@ -117,7 +119,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def CommitWeights(
         self, request: rollout_pb2.CommitWeightsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.CommitWeightsResponse:
-        result = await self._rollout.commit_weights(request.version)
+        result = await self._rollout.commit_weights(request.version, request.rewind)
         return rollout_pb2.CommitWeightsResponse(
             version=result.version, load_ms=result.timings.load_ms, pause_ms=result.timings.pause_ms
         )

@@ -4,7 +4,8 @@ The transport named in the WeightVersion does the work (`services/transports/`: 
 fetches into a shared-memory segment, shared_memory attaches the learner's); this module keeps the
 rollout's one staged slot and its version rules:
 
-- a version not newer than the loaded one is refused (Aborted);
+- a version not newer than the loaded one is refused (Aborted), unless the scheduler says `rewind`:
+  the learner restarted from an older checkpoint, and the loaded weights are of a lost lineage;
 - a retried StageWeights of the staged version returns it without fetching again;
 - staging a newer version replaces an older staged one; an older one than staged is refused.
 """
@@ -34,8 +35,8 @@ class WeightStager:
     def staged_version(self) -> int:
         return self._staged.version if self._staged else -1
 
-    async def stage(self, target: StageTarget, current_version: int) -> Staged:
-        if target.version <= current_version:
+    async def stage(self, target: StageTarget, current_version: int, rewind: bool = False) -> Staged:
+        if target.version <= current_version and not rewind:
             raise Aborted(
                 f"weight version {target.version} is not newer than the loaded version {current_version}"
             )
@@ -45,7 +46,7 @@ class WeightStager:
             if staged is not None and self._target == target:
                 return staged  # a retried StageWeights: already fetched and verified
             # (the same version described anew, e.g. a new nccl broadcast of it, is staged again)
-            if staged is not None and staged.version > target.version:
+            if staged is not None and staged.version > target.version and not rewind:
                 raise Aborted(f"weight version {staged.version} is already staged; {target.version} is stale")
             fresh = await transport.stage(target, self._ctx)
             if self._staged is not None:

@@ -92,7 +92,7 @@ class GrpcLearnerClient(_PeerClient[learner_pb2_grpc.LearnerServiceStub]):
 
     async def state(self) -> LearnerInfo:
         s = await self.unary("GetLearnerState", learner_pb2.GetLearnerStateRequest(), self._timeouts.control)
-        return LearnerInfo(s.weight_version, s.step, s.loss)
+        return LearnerInfo(s.weight_version, s.step, s.loss, s.last_batch_id, s.lineage_id, s.instance_id)
 
     async def train_step(self, batch: Batch) -> StepResult:
         message = types_pb2.TrainBatch(batch_id=batch.batch_id, step=batch.step)
@@ -160,15 +160,17 @@ class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
         )
         return [item.completion async for item in self.stream("Generate", request, self._timeouts.generate)]
 
-    async def stage(self, weights: types_pb2.WeightVersion, deadline_s: float | None = None) -> None:
-        request = rollout_pb2.StageWeightsRequest(weight_version=weights)
+    async def stage(
+        self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False
+    ) -> None:
+        request = rollout_pb2.StageWeightsRequest(weight_version=weights, rewind=rewind)
         deadline = (
             self._timeouts.weight_sync if deadline_s is None else min(deadline_s, self._timeouts.weight_sync)
         )
         await self.unary("StageWeights", request, deadline)
 
-    async def commit(self, version: int) -> None:
-        request = rollout_pb2.CommitWeightsRequest(version=version)
+    async def commit(self, version: int, rewind: bool = False) -> None:
+        request = rollout_pb2.CommitWeightsRequest(version=version, rewind=rewind)
         await self.unary("CommitWeights", request, self._timeouts.weight_sync)
 
     async def abort(self, version: int) -> None:

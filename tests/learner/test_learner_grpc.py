@@ -16,6 +16,7 @@ from services.common import weights
 from services.common.clients import open_channel
 from services.common.serve import start_server
 from services.learner.config import LearnerSettings
+from services.learner.trainer import Trainer
 from services.learner.server import LearnerApp
 from services.transports.shared_memory import attach_segment
 
@@ -292,6 +293,8 @@ async def test_stop_checkpoints_and_a_new_learner_resumes(model_dir, tmp_path):
     channel = open_channel(running.address)
     stub = learner_pb2_grpc.LearnerServiceStub(channel)
     await stub.TrainStep(learner_pb2.TrainStepRequest(batch=make_batch(vocab_of(model_dir))), timeout=TIMEOUT)
+    first = await stub.GetLearnerState(learner_pb2.GetLearnerStateRequest(), timeout=TIMEOUT)
+    assert (first.last_batch_id, first.step) == ("b0", 1) and first.lineage_id and first.instance_id
     await stub.PrepareWeights(learner_pb2.PrepareWeightsRequest(transport=SHM), timeout=TIMEOUT)
     segment_name = app.learner.store.get(1).segment_name
     await channel.close()
@@ -304,5 +307,15 @@ async def test_stop_checkpoints_and_a_new_learner_resumes(model_dir, tmp_path):
     running = await start_server(resumed, settings)
     try:
         assert (resumed.learner.trainer.weight_version, resumed.learner.trainer.last_batch_id) == (1, "b0")
+        channel = open_channel(running.address)
+        stub = learner_pb2_grpc.LearnerServiceStub(channel)
+        again = await stub.GetLearnerState(learner_pb2.GetLearnerStateRequest(), timeout=TIMEOUT)
+        await channel.close()
+        # the same lineage (the checkpoint directory's), a new process
+        assert (again.lineage_id, again.last_batch_id) == (first.lineage_id, "b0")
+        assert again.instance_id != first.instance_id
     finally:
         await running.close()
+    (tmp_path / "lineage.json").write_text('{"lineage_id": "another-run"}')
+    with pytest.raises(ValueError, match="checkpoints of two runs are mixed"):
+        Trainer(settings.model_copy(update={"checkpoint": resume}))

@@ -42,6 +42,24 @@ async def test_slot_rules_retry_replace_take_put_back_abort() -> None:
         stager.close()
 
 
+async def test_a_rewind_stages_an_older_version_than_the_loaded_or_staged_one() -> None:
+    """After a learner restart from an older checkpoint the scheduler moves rollouts back (`rewind`)."""
+    stager = WeightStager("test", fetch_timeout_s=30)
+    async with WeightsServer() as server:
+        v2 = transports.target_from_proto(server.publish(2, Packed(_state(2))))
+        v3 = transports.target_from_proto(server.publish(3, Packed(_state(3))))
+        with pytest.raises(Aborted, match="not newer"):
+            await stager.stage(v2, current_version=3)
+        await stager.stage(v3, current_version=1)
+        with pytest.raises(Aborted, match="already staged"):
+            await stager.stage(v2, current_version=1)
+        rewound = await stager.stage(v2, current_version=3, rewind=True)
+        assert rewound.version == stager.staged_version == 2
+        assert (await stager.take(2)) is rewound
+        rewound.release()
+        stager.close()
+
+
 async def test_the_same_version_described_anew_is_staged_again() -> None:
     # A retry of the same StageWeights reuses the slot; a new PrepareWeights of that version (a new
     # nccl broadcast, another learner address) is a different transfer and must be staged again:

@@ -88,7 +88,7 @@ class GetLearnerStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLearnerStateResponse(_message.Message):
-    __slots__ = ("weight_version", "step", "model", "loss", "prepared_versions", "device", "dtype")
+    __slots__ = ("weight_version", "step", "model", "loss", "prepared_versions", "device", "dtype", "last_batch_id", "lineage_id", "instance_id")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,9 @@ class GetLearnerStateResponse(_message.Message):
     PREPARED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAST_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     step: int
     model: str
@@ -103,4 +106,7 @@ class GetLearnerStateResponse(_message.Message):
     prepared_versions: _containers.RepeatedScalarFieldContainer[int]
     device: str
     dtype: str
-    def __init__(self, weight_version: _Optional[int] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., loss: _Optional[str] = ..., prepared_versions: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    last_batch_id: str
+    lineage_id: str
+    instance_id: str
+    def __init__(self, weight_version: _Optional[int] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., loss: _Optional[str] = ..., prepared_versions: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., last_batch_id: _Optional[str] = ..., lineage_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...

@@ -38,10 +38,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, completion: _Optional[_Union[_types_pb2.Completion, _Mapping]] = ...) -> None: ...
 
 class StageWeightsRequest(_message.Message):
-    __slots__ = ("weight_version",)
+    __slots__ = ("weight_version", "rewind")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
     weight_version: _types_pb2.WeightVersion
-    def __init__(self, weight_version: _Optional[_Union[_types_pb2.WeightVersion, _Mapping]] = ...) -> None: ...
+    rewind: bool
+    def __init__(self, weight_version: _Optional[_Union[_types_pb2.WeightVersion, _Mapping]] = ..., rewind: _Optional[bool] = ...) -> None: ...
 
 class StageWeightsResponse(_message.Message):
     __slots__ = ("version", "bytes", "fetch_ms")
@@ -54,10 +56,12 @@ class StageWeightsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., fetch_ms: _Optional[float] = ...) -> None: ...
 
 class CommitWeightsRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "rewind")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    rewind: bool
+    def __init__(self, version: _Optional[int] = ..., rewind: _Optional[bool] = ...) -> None: ...
 
 class CommitWeightsResponse(_message.Message):
     __slots__ = ("version", "load_ms", "pause_ms")

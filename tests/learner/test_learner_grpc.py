@@ -16,8 +16,8 @@ from services.common import weights
 from services.common.clients import open_channel
 from services.common.serve import start_server
 from services.learner.config import LearnerSettings
-from services.learner.trainer import Trainer
 from services.learner.server import LearnerApp
+from services.learner.trainer import Trainer
 from services.transports.shared_memory import attach_segment
 
 TIMEOUT = 30.0

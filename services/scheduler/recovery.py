@@ -76,6 +76,9 @@ def plan_recovery(snapshot: Snapshot, learner: LearnerInfo) -> RecoveryPlan:
     in_batch = {gid for b in batches.values() for gid in b.group_ids}
     latest: dict[str, GroupRecord] = {}
     for record in snapshot.groups:  # issue order
+        previous = latest.get(record.prompt_id)
+        if previous is None or record.attempt > previous.attempt:
+            latest[record.prompt_id] = record  # a prompt's newest attempt, batched or not
         if record.group_id in in_batch:
             continue
         if record.state == GroupState.SCORED and record.group_id in snapshot.scored_ids:
@@ -85,9 +88,6 @@ def plan_recovery(snapshot: Snapshot, learner: LearnerInfo) -> RecoveryPlan:
                 plan.requeue.append(record.group_id)
         elif record.state in (GroupState.ISSUED, GroupState.GENERATED, GroupState.SCORED):
             plan.drop.append((record.group_id, IN_FLIGHT))
-        previous = latest.get(record.prompt_id)
-        if previous is None or record.attempt > previous.attempt:
-            latest[record.prompt_id] = record
     dropped = {gid for gid, _ in plan.drop}
     for record in latest.values():
         if record.group_id in dropped or (record.state == GroupState.DROPPED and record.reissue):

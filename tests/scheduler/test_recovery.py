@@ -120,6 +120,18 @@ def test_dropped_prompts_waiting_for_reissue_are_reissued_once_and_given_up_ones
     assert plan.requeue == ["c#1"] and plan.next_position == 3
 
 
+def test_a_prompt_whose_later_attempt_is_in_a_batch_is_not_reissued() -> None:
+    """Found by the chaos run: a prompt dropped for re-issue whose next attempt was already batched
+    (and trained) must not be issued a third time after a scheduler restart."""
+    snapshot = _snapshot(
+        [("a", 0, D, [], True), ("a", 0, T, [1]), ("b", 1, T, [1])],
+        batches=[_row(1, "a#1", "b#0")],
+        trainings=[_trained(1)],
+    )
+    plan = plan_recovery(snapshot, _info(2, "step-1"))
+    assert not plan.reissue and not plan.drop and plan.next_position == 2
+
+
 def test_a_learner_ahead_of_the_ledger_is_refused() -> None:
     snapshot = _snapshot([("a", 0, S, [0])], batches=[_row(0, "a#0")])
     with pytest.raises(LedgerMismatch, match="does not belong"):

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.logging import get_logger
 from services.env.base import GroupResult, PromptItem, Score, SplitName
 from services.env.chat import apply_format
@@ -94,7 +94,7 @@ class EnvHost:
 
     def _ready(self) -> _Hosted:
         if self._hosted is None:
-            raise FailedPrecondition("environment is not loaded yet")
+            raise Unavailable("environment is still loading; retry shortly")
         return self._hosted
 
     @property

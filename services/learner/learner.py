@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
-from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
 from services.common.weights import dtype_name
 from services.learner.batching import Sample, validate_sample
@@ -112,7 +112,7 @@ class Learner:
 
     def _ready(self) -> Trainer:
         if self.trainer is None:
-            raise FailedPrecondition("learner model is not loaded yet")
+            raise Unavailable("learner model is still loading; retry shortly")
         return self.trainer
 
     # ------------------------------------------------------------------ training

@@ -22,6 +22,7 @@ import statistics
 import time
 import uuid
 from collections import deque
+from functools import partial
 
 from grpo.common.v1 import types_pb2
 from services.common.advantages import MODE_FOR_LOSS, AdvantageMode
@@ -121,7 +122,8 @@ class Orchestrator:
     async def _prepare(self, snapshot: Snapshot) -> None:
         """Learn the learner's version and loss, continue from the ledger if it holds an earlier
         incarnation's run, bring every rollout to the learner's version, fix the probe sequence."""
-        state = await self.learner.state()
+        # a peer may still be (re)starting: a restarted scheduler must not fail on a learner loading
+        state = await patiently(self.settings.recovery, "learner", self.learner.state)
         self.version, self.step = state.weight_version, state.step
         self._learner_instance, self._lineage = state.instance_id, state.lineage_id
         if self.advantage_mode == "auto":
@@ -143,9 +145,7 @@ class Orchestrator:
             self.groups.cursor = 0
         self.store.event("scheduler_start", step=self.step, version=self.version, resumed=resumed)
         await self.store.flush()
-        await self.pool.refresh_all(self.version)
-        if not self.pool.healthy():
-            raise RuntimeError("no rollout is ready")
+        await self._wait_for_a_rollout()
         async with self.syncer.lock:
             lagging = self.pool.behind(self.version)
             if lagging:
@@ -240,10 +240,24 @@ class Orchestrator:
         after = row.step + 1 if version_after is None else version_after  # version = step, always
         self.store.trained(row.step, row.batch_id, after, instance, self.generation)
 
+    async def _wait_for_a_rollout(self) -> None:
+        """Poll the rollouts until one is ready (one may be restarting), up to the peer restart timeout."""
+        cfg = self.settings.recovery
+        deadline = time.monotonic() + cfg.peer_restart_timeout
+        while True:
+            await self.pool.refresh_all(self.version)
+            if self.pool.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no rollout became ready within {cfg.peer_restart_timeout:g} s")
+            await asyncio.sleep(cfg.retry_interval)
+
     async def _make_probe(self) -> types_pb2.TokenSequence:
         """A fixed probe: one seeded completion of the env's first eval prompt (from the first rollout
         that answers; unreachable ones are marked unhealthy)."""
-        prompt = (await self.env.sample(1, "eval", start=0))[0]
+        prompt = (
+            await patiently(self.settings.recovery, "env", partial(self.env.sample, 1, "eval", start=0))
+        )[0]
         cfg = self.settings.sampling
         sampling = Sampling(n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=1234)
         for handle in self.pool.healthy():

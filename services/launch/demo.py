@@ -2,8 +2,11 @@
 
 Builds the tiny model if needed, writes one run-config file for all four services, starts them as
 local processes (env, learner and rollout first, the scheduler once they are ready), follows the
-run with a progress bar, stops everything with SIGTERM, and writes `metrics.jsonl`, `reward.png`
-and `summary.json` into the run directory.
+run with a progress bar, restarts any service that crashes (`supervisor.py`: same port, back-off,
+a restart limit; the run continues from the scheduler's ledger and the learner's checkpoints), stops
+everything with SIGTERM (also when the launcher itself gets SIGTERM or Ctrl-C), and writes
+`metrics.jsonl`, `reward.png` and `summary.json` into the run directory. A new run starts clean
+(previous ledger, checkpoints and metrics of the run directory removed) unless `--resume`.
 
     python -m services.launch demo --steps 40 --run-dir runs/demo [--model PATH_OR_ID] [--loss dapo]
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Literal
@@ -26,9 +31,11 @@ from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.advantages import LossKind
 from services.common.clients import GrpcClient
 from services.common.cpus import format_cpu_list, split_cores
+from services.common.errors import GrpoError
 from services.launch import pretrained
 from services.launch.processes import ServiceFailed, ServiceProcess
 from services.launch.report import last_row, plot_reward, read_metrics, summarize
+from services.launch.supervisor import RestartPolicy, Supervisor
 from services.launch.tiny_model import DEMO_TASK, build_tiny_model
 from services.transports import TransportKind
 from services.transports.kinds import ImplementedTransport
@@ -105,6 +112,19 @@ class DemoSettings(BaseSettings):
     startup_timeout: float = Field(
         default=900.0, gt=0, description="Seconds for all services to become ready."
     )
+    checkpoint_every: int = Field(
+        default=10,
+        ge=1,
+        description="Learner checkpoint interval in steps: a learner crash re-trains at most this many "
+        "steps minus one (a checkpoint of the tiny model takes ~12 ms; 10 demo steps take ~5 s).",
+    )
+    max_restarts: int = Field(
+        default=5, ge=0, description="Restarts of one crashed service within 10 minutes before the run fails."
+    )
+    resume: bool = Field(
+        default=False,
+        description="Continue the run in --run-dir (its ledger and checkpoints) instead of starting clean.",
+    )
 
 
 def run_config(cfg: DemoSettings, model: str) -> dict:
@@ -127,7 +147,12 @@ def run_config(cfg: DemoSettings, model: str) -> dict:
                 "min_lr_ratio": cfg.min_lr_ratio,
             },
             "lora": {"rank": cfg.lora_rank},
-            "checkpoint": {"dir": str(run_dir / "checkpoints")},
+            # a restarted learner resumes from its newest checkpoint (and a fresh run has none)
+            "checkpoint": {
+                "dir": str(run_dir / "checkpoints"),
+                "every": cfg.checkpoint_every,
+                "resume": True,
+            },
         },
         "rollout": {
             "model": model,
@@ -170,16 +195,26 @@ def core_plan(cfg: DemoSettings) -> tuple[dict[str, str], list[dict[str, str]]]:
 
 
 async def follow(
-    scheduler_address: str, cfg: DemoSettings, processes: list[ServiceProcess]
+    scheduler_address: str, cfg: DemoSettings, supervisor: Supervisor
 ) -> scheduler_pb2.GetStatusResponse:
-    """Poll the scheduler until the run finishes or fails, drawing a progress bar."""
+    """Poll the scheduler until the run finishes or fails, drawing a progress bar; restart crashed
+    services meanwhile (the scheduler may be unreachable while it restarts)."""
     scheduler = GrpcClient(scheduler_address, scheduler_pb2_grpc.SchedulerServiceStub)
+    unreachable_since: float | None = None
     try:
         with tqdm(total=cfg.steps, desc="training", unit="step") as bar:
+            supervisor.say = bar.write
             while True:
-                for proc in processes:
-                    proc.check_alive()
-                status = await scheduler.unary("GetStatus", scheduler_pb2.GetStatusRequest(), 10.0)
+                supervisor.check()
+                try:
+                    status = await scheduler.unary("GetStatus", scheduler_pb2.GetStatusRequest(), 10.0)
+                except GrpoError:
+                    unreachable_since = unreachable_since or time.monotonic()
+                    if time.monotonic() - unreachable_since > cfg.startup_timeout:
+                        raise ServiceFailed("the scheduler stayed unreachable") from None
+                    await asyncio.sleep(1.0)
+                    continue
+                unreachable_since = None
                 bar.update(status.step - bar.n)
                 row = last_row(cfg.run_dir)
                 if row and "reward_mean" in row:
@@ -191,10 +226,23 @@ async def follow(
         await scheduler.close()
 
 
+def clean_run_dir(run_dir: Path) -> None:
+    """What an earlier run left that a new one must not continue: its ledger, checkpoints, metrics."""
+    for name in ("metrics.jsonl", "ledger.sqlite", "ledger.sqlite-wal", "ledger.sqlite-shm"):
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
 async def run_demo(cfg: DemoSettings) -> int:
     started = time.perf_counter()
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if not cfg.resume:
+        clean_run_dir(cfg.run_dir)
+    # SIGTERM / Ctrl-C: cancel the run, so the `finally` below stops every service (no orphans)
+    task = asyncio.current_task()
+    assert task is not None
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, task.cancel)
     model = cfg.model
     if known := pretrained.lookup(model):
         model = str(await asyncio.to_thread(pretrained.prepare_model, known, REPO / ".cache"))
@@ -224,6 +272,7 @@ async def run_demo(cfg: DemoSettings) -> int:
         for i in range(cfg.rollouts)
     ]
     scheduler = None
+    supervisor = Supervisor(workers, RestartPolicy(max_restarts=cfg.max_restarts))
     try:
         for proc in workers:
             proc.start()
@@ -242,19 +291,26 @@ async def run_demo(cfg: DemoSettings) -> int:
             },
         )
         scheduler.start()
-        status = await follow(await scheduler.wait_ready(cfg.startup_timeout), cfg, [*workers, scheduler])
+        address = await scheduler.wait_ready(cfg.startup_timeout)
+        supervisor.add(scheduler)
+        status = await follow(address, cfg, supervisor)
     except ServiceFailed as exc:
         print(f"\nerror: {exc}", flush=True)
         return 1
+    except asyncio.CancelledError:
+        print("\nstopped: every service was sent SIGTERM", flush=True)
+        return 143
     finally:
         for proc in ([scheduler] if scheduler else []) + workers[::-1]:
             proc.terminate()
-    return report(cfg, status, time.perf_counter() - started)
+    return report(cfg, status, time.perf_counter() - started, dict(supervisor.restarts))
 
 
-def report(cfg: DemoSettings, status: scheduler_pb2.GetStatusResponse, wall_s: float) -> int:
+def report(
+    cfg: DemoSettings, status: scheduler_pb2.GetStatusResponse, wall_s: float, restarts: dict[str, int]
+) -> int:
     rows = read_metrics(cfg.run_dir)
-    summary = {**summarize(rows), "wall_s": round(wall_s, 1), "error": status.error}
+    summary = {**summarize(rows), "wall_s": round(wall_s, 1), "error": status.error, "restarts": restarts}
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
         plot_reward(rows, cfg.run_dir / "reward.png")

@@ -1,8 +1,15 @@
-"""Starting the services as local processes and stopping them the right way (SIGTERM to our own pids)."""
+"""Starting the services as local processes and stopping them the right way (SIGTERM to our own pids).
+
+Each service runs in its own session (process group), so what it started (vLLM's engine processes)
+can be stopped with it: `kill_leftovers` SIGKILLs the group we created, never anything found by name.
+A process keeps the port it first bound, so a restart (`supervisor.py`) comes back where its peers
+and the launcher look for it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -45,6 +52,8 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)
     label: str = ""  # distinguishes several processes of one service (port and log file names)
     process: subprocess.Popen | None = None
+    port: int = 0  # 0 until the first start has bound one; restarts reuse it
+    starts: int = 0
 
     @property
     def tag(self) -> str:
@@ -59,6 +68,7 @@ class ServiceProcess:
         return self.run_dir / "logs" / f"{self.tag}.log"
 
     def start(self) -> None:
+        """Start (or restart: same port, log appended) the service in a session of its own."""
         self.port_file.unlink(missing_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         command = [
@@ -66,19 +76,28 @@ class ServiceProcess:
             "-m",
             f"services.{self.name}",
             "--port",
-            "0",
+            str(self.port),
             "--port-file",
             str(self.port_file),
             *self.args,
         ]
-        with self.log_file.open("w") as log:
+        with self.log_file.open("a" if self.starts else "w") as log:
             self.process = subprocess.Popen(
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **self.env},
                 stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
+        self.starts += 1
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL what is left of the process group this service was started in (its own children)."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
+            os.killpg(self.process.pid, signal.SIGKILL)
 
     def log_tail(self, lines: int = 30) -> str:
         if not self.log_file.exists():
@@ -93,7 +112,8 @@ class ServiceProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{int(self.port_file.read_text())}"
+        self.port = int(self.port_file.read_text())
+        return f"127.0.0.1:{self.port}"
 
     async def wait_ready(self, timeout: float) -> str:  # noqa: ASYNC109 (a polling deadline, not a call's)
         """Wait for the port file, then for readiness SERVING on grpc.health.v1; returns host:port."""
@@ -128,11 +148,16 @@ class ServiceProcess:
 
     def terminate(self, grace: float = 30.0) -> int | None:
         """SIGTERM this process (our own pid, never by name); SIGKILL only if it ignores the grace period."""
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
+        if self.process is None:
+            return None
+        if self.process.poll() is not None:
+            self.kill_leftovers()
+            return self.process.returncode
         self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout=grace)
+            code = self.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            return self.process.wait()
+            code = self.process.wait()
+        self.kill_leftovers()
+        return code

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import statistics
 from pathlib import Path
@@ -31,7 +30,22 @@ def last_row(run_dir: Path, tail_bytes: int = 8192) -> dict[str, Any] | None:
 
 
 def step_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if not r.get("eval_only")]
+    """The rows of trained steps with their full metrics (not eval-only rows, not recovery events, not
+    the bare row of a step a restarted scheduler found trained but unrecorded)."""
+    return [r for r in rows if "logprob_abs_diff_max" in r and not r.get("eval_only")]
+
+
+def versions_advance_by_one(rows: list[dict[str, Any]]) -> bool:
+    """Each step row is one version past the previous one; a learner rewind row resets the count."""
+    expected = None
+    for row in rows:
+        if row.get("event") == "learner_rewind":
+            expected = row["weight_version"] + 1
+        elif "reward_mean" in row and not row.get("eval_only"):
+            if expected is not None and row["weight_version"] != expected:
+                return False
+            expected = row["weight_version"] + 1
+    return True
 
 
 def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
@@ -50,9 +64,9 @@ def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
         "weight_transport": steps[-1].get("weight_transport"),
         "logprob_abs_diff_max": max(r["logprob_abs_diff_max"] for r in steps),
         "staleness_mean": statistics.fmean(r["staleness_mean"] for r in steps),
-        "versions_advance_by_one": all(
-            b["weight_version"] - a["weight_version"] == 1 for a, b in itertools.pairwise(steps)
-        ),
+        "versions_advance_by_one": versions_advance_by_one(rows),
+        "learner_rewinds": sum(1 for r in rows if r.get("event") == "learner_rewind"),
+        "steps_retrained": sum(1 for r in steps if r.get("retrained")),
     }
     if evals:
         summary["eval_accuracy_first"] = evals[0]["eval/accuracy"]

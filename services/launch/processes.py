@@ -92,12 +92,27 @@ class ServiceProcess:
             )
         self.starts += 1
 
-    def kill_leftovers(self) -> None:
-        """SIGKILL what is left of the process group this service was started in (its own children)."""
+    def signal_group(self, signum: int) -> None:
+        """Signal the process group this service was started in (itself and its own children)."""
         if self.process is None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
-            os.killpg(self.process.pid, signal.SIGKILL)
+            os.killpg(self.process.pid, signum)
+
+    def group_alive(self) -> bool:
+        if self.process is None:
+            return False
+        try:
+            os.killpg(self.process.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL what is left of the service's process group."""
+        self.signal_group(signal.SIGKILL)
 
     def log_tail(self, lines: int = 30) -> str:
         if not self.log_file.exists():

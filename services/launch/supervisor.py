@@ -1,16 +1,19 @@
 """Restarting crashed services, the way a process supervisor (or compose's `restart:`) would.
 
 The launcher polls `Supervisor.check()`. A service process that exited although nobody stopped it
-is logged, what is left of its process group is killed (vLLM engine processes), and it is started
-again with the same arguments on the same port after a back-off (`backoff_s`, doubling per restart
-of that service, at most `backoff_max_s`). More than `max_restarts` restarts of one service within
-`window_s` seconds end the run with `ServiceFailed`: a service that cannot stay up is not hidden.
-The restarted services rejoin by themselves: the scheduler waits for peers that went away and
-recovers from its ledger when it is the one restarted (docs/recovery.md).
+is logged; what is left of its process group (vLLM's engine processes) gets SIGTERM, so vLLM shuts
+down and frees its shared memory, and SIGKILL when the restart is due if it is still there after
+`leftover_grace_s`. The service is then started again with the same arguments on the same port,
+after a back-off (`backoff_s`, doubling per restart of that service, at most `backoff_max_s`). More
+than `max_restarts` restarts of one service within `window_s` seconds end the run with
+`ServiceFailed`: a service that cannot stay up is not hidden. The restarted services rejoin by
+themselves: the scheduler waits for peers that went away and recovers from its ledger when it is
+the one restarted (docs/recovery.md).
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable
@@ -25,6 +28,7 @@ class RestartPolicy:
     window_s: float = 600.0
     backoff_s: float = 1.0
     backoff_max_s: float = 30.0
+    leftover_grace_s: float = 10.0
 
 
 class Supervisor:
@@ -37,6 +41,7 @@ class Supervisor:
         self.restarts: Counter[str] = Counter()
         self._recent: dict[str, deque[float]] = defaultdict(deque)
         self._due: dict[str, float] = {}  # tag → when its restart is due
+        self._died_at: dict[str, float] = {}
 
     def add(self, process: ServiceProcess) -> None:
         self.processes.append(process)
@@ -51,6 +56,9 @@ class Supervisor:
             if tag not in self._due:
                 self._died(proc, now)
             elif now >= self._due[tag]:
+                if proc.group_alive() and now - self._died_at[tag] < self.policy.leftover_grace_s:
+                    continue  # its engine processes are still shutting down
+                proc.kill_leftovers()
                 del self._due[tag]
                 proc.start()
                 self.restarts[tag] += 1
@@ -58,7 +66,8 @@ class Supervisor:
 
     def _died(self, proc: ServiceProcess, now: float) -> None:
         code = proc.process.returncode if proc.process else None
-        proc.kill_leftovers()
+        proc.signal_group(signal.SIGTERM)
+        self._died_at[proc.tag] = now
         recent = self._recent[proc.tag]
         recent.append(now)
         while recent and now - recent[0] > self.policy.window_s:

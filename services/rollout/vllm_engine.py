@@ -48,6 +48,7 @@ from services.rollout.engine import (
     RolloutEngine,
     Sampling,
 )
+from services.rollout.lifetime import mark_owner
 from services.rollout.spans import spans_from_labels
 from services.transports import LoadPlan
 
@@ -146,6 +147,7 @@ class VllmEngine(RolloutEngine):
         if options.kv_cache_space_gib > 0:
             # vLLM parses VLLM_CPU_KVCACHE_SPACE as whole GiB
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(options.kv_cache_space_gib))))
+        mark_owner()  # the engine's processes stop themselves if this process dies (lifetime.py)
         from vllm import AsyncEngineArgs, SamplingParams
         from vllm.renderers.inputs.preprocess import parse_model_prompt
         from vllm.sampling_params import RequestOutputKind

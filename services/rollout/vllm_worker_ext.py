@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from services.common import weights
-from services.rollout.lifetime import die_with_parent
+from services.rollout.lifetime import die_with_owner
 from services.transports import LoadPlan, TransportKind, WorkerContext
 from services.transports.registry import open_tensors, worker_op
 
@@ -44,7 +44,7 @@ class GrpoWorkerExtension:
 
     def grpo_worker_rank(self) -> int:
         """Asked once when the engine starts: also where this process starts watching its parent."""
-        die_with_parent()
+        die_with_owner()
         return self._grpo_worker().local_rank
 
     def grpo_transport_op(self, kind: str, op: str, spec: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The rollout's engine processes die with it: `die_with_parent` in a child whose parent is SIGKILLed."""
+"""The rollout's engine processes die with it: a rollout-like owner starts an engine-core-like child,
+which starts a worker-like grandchild running `die_with_owner`; SIGKILL of the owner stops both."""
 
 from __future__ import annotations
 
@@ -11,27 +12,31 @@ import time
 
 import psutil
 
-CHILD = (
-    "from services.rollout.lifetime import die_with_parent; import time; "
-    "die_with_parent(0.1); time.sleep(600)"
+WORKER = (
+    "from services.rollout.lifetime import die_with_owner; import time; "
+    "die_with_owner(0.1, kill_after_s=5); time.sleep(600)"
 )
-PARENT = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {CHILD!r}]); time.sleep(600)"
+CORE = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {WORKER!r}]); time.sleep(600)"
+OWNER = (
+    "import subprocess, sys, time; from services.rollout.lifetime import mark_owner; mark_owner(); "
+    f"subprocess.Popen([sys.executable, '-c', {CORE!r}]); time.sleep(600)"
+)
 
 
-def test_a_child_watching_its_parent_dies_when_the_parent_is_killed() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], start_new_session=True)
+def test_the_engine_processes_stop_when_their_rollout_is_killed() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", OWNER], start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while not psutil.Process(parent.pid).children():
+        while len(psutil.Process(parent.pid).children(recursive=True)) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        child = psutil.Process(parent.pid).children()[0]
-        time.sleep(1.0)  # the child has imported the module and started watching
+        engine = psutil.Process(parent.pid).children(recursive=True)
+        time.sleep(1.5)  # the worker has imported the module and started watching
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
         killed_at = time.monotonic()
-        gone, _ = psutil.wait_procs([child], timeout=10)
-        assert gone, "the engine-like child outlived its parent"
+        _, alive = psutil.wait_procs(engine, timeout=10)
+        assert not alive, "engine processes outlived their rollout"
         assert time.monotonic() - killed_at < 5
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -199,14 +199,8 @@ class Orchestrator:
         """Acknowledge batches the learner trained unacknowledged, queue the ones to train again, and on
         a rewind start a new lineage generation whose rollouts must first go back to the learner."""
         for row in plan.acknowledge:
-            groups = await self.store.load_scored(row.group_ids)
             self._acknowledge(row, state.instance_id)
-            if self._metrics is not None and self._metrics.last_step < row.step + 1:
-                rewards = [r for g in groups.values() for r in g.rewards]
-                self._metrics.write(
-                    {"step": row.step + 1, "weight_version": row.step + 1, "recovered": True,
-                     "reward_mean": statistics.fmean(rewards) if rewards else float("nan")}
-                )  # fmt: skip
+        await self._write_missing_rows(state.step)
         self._replay = deque(plan.replay)
         if rewound_from is None:
             return
@@ -231,6 +225,21 @@ class Orchestrator:
             from_version=rewound_from,
             retrain=[b.step for b in plan.replay],
         )
+
+    async def _write_missing_rows(self, learner_step: int) -> None:
+        """A row for each step the learner trained whose row an earlier incarnation never wrote (it
+        died between the step and its row): `"recovered": true`, with what the ledger knows."""
+        assert self._metrics is not None
+        for step in range(self._metrics.last_step, learner_step):
+            row = self._batches.get(step)
+            if row is None:
+                continue
+            groups = await self.store.load_scored(row.group_ids)
+            rewards = [r for g in groups.values() for r in g.rewards]
+            self._metrics.write(
+                {"step": step + 1, "weight_version": step + 1, "recovered": True,
+                 "reward_mean": statistics.fmean(rewards) if rewards else float("nan")}
+            )  # fmt: skip
 
     def _acknowledge(self, row: BatchRow, instance: str, version_after: int | None = None) -> None:
         """Record that the learner trained `row` (its groups trained; a re-train leaves them so)."""

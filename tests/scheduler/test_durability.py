@@ -123,3 +123,20 @@ async def test_dynamic_sampling_filters_zero_variance_groups_and_fills_the_batch
     assert sum(r["filtered_groups"] for r in rows) <= len(filtered)
     assert all(0 <= r["filtered_fraction"] < 1 for r in rows) and rows[0]["filtered_fraction"] > 0
     assert _audited(tmp_path)["groups_filtered"] == len(filtered)
+
+
+async def test_a_step_whose_row_was_never_written_gets_a_recovered_row(tmp_path: Path) -> None:
+    """The scheduler died after its acknowledgement of step 2 reached the ledger but before the step's
+    metrics row was written: the restarted scheduler writes a `recovered` row, so versions in
+    metrics.jsonl still advance one by one (the chaos run found this gap)."""
+    first = cluster(tmp_path, FakeRollout("r0"), max_steps=3)
+    await first.run()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # the row of step 3 is lost
+    second = cluster(tmp_path, FakeRollout("r0"), env=first.env, learner=first.learner, max_steps=5)
+    await second.run()
+    rows = [r for r in _rows(tmp_path) if "reward_mean" in r]
+    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[2]["recovered"] and rows[2]["reward_mean"] == 0.5
+    assert [step for step, _ in _steps_sent(first.learner)] == [0, 1, 2, 3, 4]
+    _audited(tmp_path)

@@ -6,6 +6,7 @@ import json
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,19 @@ REQUIRED_KEYS = (
 )
 
 
+STEP_RATE_WINDOW_S = 60.0
+
+
 class MetricsLog:
-    """Appends one line per step and flushes it, so a crash loses at most the current step."""
+    """Appends one line per step and flushes it, so a crash loses at most the current step. Keeps the
+    last step row and the recent step times for GetStatus."""
 
     def __init__(self, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self.last_step = _last_step(self.path)  # of an earlier incarnation's rows (a restart appends)
+        self.last_record: dict[str, Any] = {}  # the newest step row this process wrote
+        self._step_times: deque[float] = deque(maxlen=10_000)  # monotonic time of each step row
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -41,6 +48,16 @@ class MetricsLog:
         self._file.flush()
         if "reward_mean" in record and "event" not in record:
             self.last_step = max(self.last_step, int(record["step"]))
+            self.last_record = record
+            self._step_times.append(time.monotonic())
+
+    def steps_per_second(self, window: float = STEP_RATE_WINDOW_S) -> float:
+        """Step rows written per second over the last `window` seconds (0 with fewer than two)."""
+        now = time.monotonic()
+        recent = [t for t in self._step_times if now - t <= window]
+        if len(recent) < 2:
+            return 0.0
+        return (len(recent) - 1) / max(recent[-1] - recent[0], 1e-9)
 
     def close(self) -> None:
         self._file.close()

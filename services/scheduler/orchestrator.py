@@ -18,6 +18,7 @@ learner that comes back from an older checkpoint is caught up by training the sa
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 import uuid
@@ -80,6 +81,7 @@ class Orchestrator:
         self.probe: types_pb2.TokenSequence | None = None
         self.advantage_mode = settings.advantage_mode
         self._metrics: MetricsLog | None = None  # opened when the run starts
+        self._born = time.monotonic()
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -533,4 +535,23 @@ class Orchestrator:
             staleness_mean=self._staleness_total / max(1, self._staleness_groups),
             logprob_abs_diff_max=self.last_alignment,
             error=self.error,
+            weight_transport=self.settings.weight_transport.value,
+            uptime_seconds=time.monotonic() - self._born,
+            **_last_step_status(self._metrics),
         )
+
+
+def _last_step_status(metrics: MetricsLog | None) -> dict:
+    """The GetStatus fields taken from the last step row: reward, loss, rates, sync phases."""
+    last = metrics.last_record if metrics is not None else {}
+    if not last:
+        return {}
+    return {
+        "reward_mean": last["reward_mean"],
+        "loss": last["loss"] if math.isfinite(last["loss"]) else 0.0,
+        "steps_per_second": metrics.steps_per_second() if metrics is not None else 0.0,
+        "tokens_per_second": last.get("tokens_per_s", 0.0),
+        "sync_ms": tuple(
+            last.get(k, 0.0) for k in ("sync_prepare_ms", "sync_stage_ms", "sync_commit_ms", "sync_ms")
+        ),
+    }

@@ -48,6 +48,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             max_steps=s.max_steps,
             logprob_abs_diff_max=s.logprob_abs_diff_max,
             error=s.error,
+            reward_mean=s.reward_mean,
+            loss=s.loss,
+            steps_per_second=s.steps_per_second,
+            tokens_per_second=s.tokens_per_second,
+            last_sync=scheduler_pb2.SyncPhases(
+                prepare_ms=s.sync_ms[0], stage_ms=s.sync_ms[1], commit_ms=s.sync_ms[2], total_ms=s.sync_ms[3]
+            ),
+            weight_transport=s.weight_transport,
+            uptime_seconds=s.uptime_seconds,
         )
 
     async def Pause(self, request, context: grpc.aio.ServicerContext):

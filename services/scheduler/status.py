@@ -30,3 +30,10 @@ class SchedulerStatus:
     staleness_mean: float
     logprob_abs_diff_max: float
     error: str
+    reward_mean: float = 0.0
+    loss: float = 0.0
+    steps_per_second: float = 0.0
+    tokens_per_second: float = 0.0
+    sync_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # prepare, stage, commit, total
+    weight_transport: str = ""
+    uptime_seconds: float = 0.0

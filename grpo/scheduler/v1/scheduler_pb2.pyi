@@ -53,7 +53,7 @@ class RolloutLoad(_message.Message):
     def __init__(self, rollout_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("learner_version", "step", "paused", "groups_by_state", "queue_depths", "rollouts", "staleness_mean", "finished", "max_steps", "logprob_abs_diff_max", "error")
+    __slots__ = ("learner_version", "step", "paused", "groups_by_state", "queue_depths", "rollouts", "staleness_mean", "finished", "max_steps", "logprob_abs_diff_max", "error", "reward_mean", "loss", "steps_per_second", "tokens_per_second", "last_sync", "weight_transport", "uptime_seconds")
     class GroupsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,13 @@ class GetStatusResponse(_message.Message):
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_ABS_DIFF_MAX_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LAST_SYNC_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     learner_version: int
     step: int
     paused: bool
@@ -90,7 +97,26 @@ class GetStatusResponse(_message.Message):
     max_steps: int
     logprob_abs_diff_max: float
     error: str
-    def __init__(self, learner_version: _Optional[int] = ..., step: _Optional[int] = ..., paused: _Optional[bool] = ..., groups_by_state: _Optional[_Mapping[str, int]] = ..., queue_depths: _Optional[_Mapping[str, int]] = ..., rollouts: _Optional[_Iterable[_Union[RolloutLoad, _Mapping]]] = ..., staleness_mean: _Optional[float] = ..., finished: _Optional[bool] = ..., max_steps: _Optional[int] = ..., logprob_abs_diff_max: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    reward_mean: float
+    loss: float
+    steps_per_second: float
+    tokens_per_second: float
+    last_sync: SyncPhases
+    weight_transport: str
+    uptime_seconds: float
+    def __init__(self, learner_version: _Optional[int] = ..., step: _Optional[int] = ..., paused: _Optional[bool] = ..., groups_by_state: _Optional[_Mapping[str, int]] = ..., queue_depths: _Optional[_Mapping[str, int]] = ..., rollouts: _Optional[_Iterable[_Union[RolloutLoad, _Mapping]]] = ..., staleness_mean: _Optional[float] = ..., finished: _Optional[bool] = ..., max_steps: _Optional[int] = ..., logprob_abs_diff_max: _Optional[float] = ..., error: _Optional[str] = ..., reward_mean: _Optional[float] = ..., loss: _Optional[float] = ..., steps_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., last_sync: _Optional[_Union[SyncPhases, _Mapping]] = ..., weight_transport: _Optional[str] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+
+class SyncPhases(_message.Message):
+    __slots__ = ("prepare_ms", "stage_ms", "commit_ms", "total_ms")
+    PREPARE_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    prepare_ms: float
+    stage_ms: float
+    commit_ms: float
+    total_ms: float
+    def __init__(self, prepare_ms: _Optional[float] = ..., stage_ms: _Optional[float] = ..., commit_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()

@@ -3,7 +3,9 @@
 `GrpcClient` owns one channel to one peer, opened lazily on first use (grpc.aio channels must be
 created inside the running event loop, while clients are often constructed before it starts),
 puts a deadline on every call, and turns failed calls into domain errors through the one
-client-side table (`errors.from_rpc_error`), so no caller handles raw status codes.
+client-side table (`errors.from_rpc_error`), so no caller handles raw status codes. Every channel
+uses the process's `ClientSecurity` (security.py: TLS, client certificate, bearer token) unless
+given another, so a service configured once reaches all its peers the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import grpc
 
 from services.common.config import CONTROL_MESSAGE_BYTES
 from services.common.errors import DeadlineExceeded, from_rpc_error
+from services.common.security import ClientSecurity, client_security
 
 StubT = TypeVar("StubT")
 
@@ -37,9 +40,38 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
-def open_channel(address: str, max_message_bytes: int = CONTROL_MESSAGE_BYTES) -> grpc.aio.Channel:
-    """An insecure channel to `address` (host:port). Create it inside the running event loop."""
-    return grpc.aio.insecure_channel(address, options=grpc_options(max_message_bytes))
+class _BearerToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call (also on a plaintext channel, where gRPC's
+    call credentials would refuse to send it; serve.py warns about that set-up)."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
+        return details._replace(metadata=metadata)
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+def open_channel(
+    address: str, max_message_bytes: int = CONTROL_MESSAGE_BYTES, security: ClientSecurity | None = None
+) -> grpc.aio.Channel:
+    """A channel to `address` (host:port) with this process's security (TLS and token) unless
+    `security` is given. Create it inside the running event loop."""
+    security = client_security() if security is None else security
+    options = grpc_options(max_message_bytes)
+    if security.server_name:
+        options.append(("grpc.ssl_target_name_override", security.server_name))
+    interceptors = [_BearerToken(security.metadata())] if security.token else None
+    credentials = security.channel_credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
 async def wait_ready(channel: grpc.aio.Channel, timeout: float) -> None:  # noqa: ASYNC109 (the caller's deadline)
@@ -51,11 +83,16 @@ class GrpcClient(Generic[StubT]):
     """One peer: a lazily opened channel, a stub, deadlines and domain errors on every call."""
 
     def __init__(
-        self, address: str, stub_class: type[StubT], max_message_bytes: int = CONTROL_MESSAGE_BYTES
+        self,
+        address: str,
+        stub_class: type[StubT],
+        max_message_bytes: int = CONTROL_MESSAGE_BYTES,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.address = address
         self._stub_class = stub_class
         self._max_message_bytes = max_message_bytes
+        self._security = security
         self._channel: grpc.aio.Channel | None = None
         self._stub: StubT | None = None
 
@@ -67,7 +104,7 @@ class GrpcClient(Generic[StubT]):
     @property
     def stub(self) -> StubT:
         if self._stub is None:
-            self._channel = open_channel(self.address, self._max_message_bytes)
+            self._channel = open_channel(self.address, self._max_message_bytes, self._security)
             self._stub = self._stub_class(self._channel)
         return self._stub
 

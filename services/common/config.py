@@ -7,6 +7,8 @@ table per service (`[scheduler]`, `[learner]`, `[rollout]`, `[env]`, and nested 
 Each component's options are one nested model, defined next to the code that uses them and consumed
 by it directly: the learner's optimizer is `--optim.lr 1e-5` on the command line,
 `GRPO_LEARNER__OPTIM__LR=1e-5` in the environment and `[learner.optim] lr = 1e-5` in the file.
+The file's top-level `[security]` and `[telemetry]` tables apply to every service (a service's own
+`[learner.security]` overrides them), so TLS and tokens are configured once for a whole run.
 Unknown fields are rejected from every source (an unknown `GRPO_<SVC>__X` variable too), so a typo
 never passes silently; a missing required field or a bad value on the command line is a one-line
 `error: --field: ...` and exit code 2, like any other CLI mistake.
@@ -24,18 +26,29 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from services.common.security import SecuritySettings
+from services.common.telemetry import TelemetrySettings
+
 CONTROL_MESSAGE_BYTES = 16 << 20
 
 
+# Top-level tables of the run-config file that every service reads (under its own table's values).
+SHARED_TABLES = ("security", "telemetry")
+
+
 class _RunConfigFileSource(PydanticBaseSettingsSource):
-    """Reads one table of the TOML run-config file."""
+    """Reads one table of the TOML run-config file, under the shared top-level tables."""
 
     def __init__(self, settings_cls: type[BaseSettings], path: Path | None, table: str) -> None:
         super().__init__(settings_cls)
         self._data: dict[str, Any] = {}
         if path is not None:
             with path.open("rb") as handle:
-                self._data = tomllib.load(handle).get(table, {})
+                document = tomllib.load(handle)
+            self._data = dict(document.get(table, {}))
+            for shared in SHARED_TABLES:
+                if shared in document and shared in settings_cls.model_fields:
+                    self._data[shared] = {**document[shared], **self._data.get(shared, {})}
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return self._data.get(field_name), field_name, False
@@ -126,6 +139,14 @@ class ServiceSettings(BaseSettings):
         description="CPU cores this service (and the processes it starts) runs on, e.g. '0-3,6'; empty = "
         "all. Give a co-located learner and vLLM-CPU rollout disjoint sets so their thread pools do not "
         "fight over cores (the demo does this itself).",
+    )
+
+    security: SecuritySettings = Field(
+        default_factory=SecuritySettings,
+        description="TLS, mutual TLS and the bearer token, for this service and every client it opens.",
+    )
+    telemetry: TelemetrySettings = Field(
+        default_factory=TelemetrySettings, description="Prometheus metrics over HTTP."
     )
 
     nice: int = Field(

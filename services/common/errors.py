@@ -22,6 +22,7 @@ Client side: every gRPC client in the system turns a failed call into the same d
 | DEADLINE_EXCEEDED   | DeadlineExceeded   | yes       | yes         |
 | CANCELLED           | Cancelled          | yes       | yes         |
 | DATA_LOSS           | DataLoss           |           |             |
+| UNAUTHENTICATED     | Unauthenticated    |           |             |
 | anything else       | RemoteError        |           |             |
 """
 
@@ -102,6 +103,12 @@ class Cancelled(GrpoError):
     unreachable = True
 
 
+class Unauthenticated(GrpoError):
+    """No or a wrong bearer token (security.py): fix the configuration, retrying cannot help."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class RemoteError(GrpoError):
     """A peer failed with a status outside the table (INTERNAL, UNKNOWN, UNIMPLEMENTED, ...)."""
 
@@ -110,13 +117,30 @@ class RemoteError(GrpoError):
         self.code = code
 
 
+# Status messages travel in a trailer; one that echoes a 64 KiB id would exceed gRPC's metadata limit
+# and the client would see RESOURCE_EXHAUSTED instead of the real code. Every message is cut to this.
+MAX_DETAIL_CHARS = 1024
+
+
+def bounded(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """`text` cut to `limit` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def quoted(value: object, limit: int = 80) -> str:
+    """A client-supplied value for an error message: repr'd, at most `limit` characters of it."""
+    return bounded(repr(value), limit)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a server returns for `exc` (the server-side table)."""
+    """The status code and (bounded) message a server returns for `exc` (the server-side table)."""
     if isinstance(exc, GrpoError):
-        return exc.code, str(exc) or type(exc).__name__
+        return exc.code, bounded(str(exc) or type(exc).__name__)
     if isinstance(exc, NotImplementedError):
-        return grpc.StatusCode.UNIMPLEMENTED, str(exc) or "not implemented"
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        return grpc.StatusCode.UNIMPLEMENTED, bounded(str(exc) or "not implemented")
+    return grpc.StatusCode.INTERNAL, bounded(f"internal error: {type(exc).__name__}: {exc}")
 
 
 _FROM_CODE: dict[grpc.StatusCode, type[GrpoError]] = {
@@ -131,6 +155,7 @@ _FROM_CODE: dict[grpc.StatusCode, type[GrpoError]] = {
         DeadlineExceeded,
         Cancelled,
         DataLoss,
+        Unauthenticated,
     )
 }
 

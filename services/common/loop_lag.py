@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.logging import get_logger
@@ -30,8 +31,15 @@ class LagReport:
 class LoopLagMonitor:
     """Measures the lag of the running event loop; `start()` inside the loop, `await stop()`."""
 
-    def __init__(self, interval: float = 0.1, report_every: float = 30.0, warn_ms: float = 100.0) -> None:
+    def __init__(
+        self,
+        interval: float = 0.1,
+        report_every: float = 30.0,
+        warn_ms: float = 100.0,
+        observe: Callable[[float], None] | None = None,
+    ) -> None:
         self.interval = interval
+        self._observe = observe  # each lag in seconds (e.g. a Prometheus histogram)
         self.report_every = report_every
         self.warn_ms = warn_ms
         self.last_report: LagReport | None = None
@@ -71,7 +79,10 @@ class LoopLagMonitor:
             asked = time.perf_counter()
             await asyncio.sleep(self.interval)
             woke = time.perf_counter()
-            self._lags.append(max(0.0, (woke - asked - self.interval) * 1e3))
+            lag_ms = max(0.0, (woke - asked - self.interval) * 1e3)
+            self._lags.append(lag_ms)
+            if self._observe is not None:
+                self._observe(lag_ms / 1e3)
             if woke - window_start >= self.report_every:
                 self.report()
                 window_start = woke

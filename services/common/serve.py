@@ -1,8 +1,10 @@
 """The one server skeleton every grpo-mesh service runs on.
 
-    uvloop → grpc.aio server (explicit message limits, concurrency cap) → reflection + health →
-    listen (+ event-loop lag monitor) → app.start() (load model, connect peers) → readiness SERVING →
-    wait for SIGTERM/SIGINT → health NOT_SERVING → server.stop(grace) → app.stop() (tasks, channels).
+    uvloop → grpc.aio server (explicit message limits, concurrency cap, the one interceptor:
+    token check, decoding, error mapping, RPC metrics) → reflection + health → listen, TLS when
+    configured (+ event-loop lag monitor, /metrics) → app.start() (load model, connect peers) →
+    readiness SERVING → wait for SIGTERM/SIGINT → health NOT_SERVING → server.stop(grace) →
+    app.stop() (tasks, channels).
 
 Liveness (`service=""`) is SERVING as soon as the port answers; readiness (the full service name)
 only after `app.start()` returns, and both drop to NOT_SERVING while draining.
@@ -15,13 +17,11 @@ import contextlib
 import os
 import signal
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
-import structlog
 import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -29,9 +29,11 @@ from grpc_reflection.v1alpha import reflection
 from services.common.clients import grpc_options
 from services.common.config import ServiceSettings
 from services.common.cpus import apply_cpu_affinity
-from services.common.errors import status_for
+from services.common.interceptor import ServiceInterceptor
 from services.common.logging import configure_logging, get_logger
 from services.common.loop_lag import LoopLagMonitor
+from services.common.security import ClientSecurity, TokenCheck, server_credentials, set_client_security
+from services.common.telemetry import LOOP_LAG, READY, RpcMetrics, serve_metrics
 
 log = get_logger(__name__)
 
@@ -64,62 +66,6 @@ def service_names(*modules: Any) -> tuple[str, ...]:
     )
 
 
-class _ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Binds a request id per RPC and maps domain exceptions to status codes (errors.status_for)."""
-
-    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith("/grpo."):
-            return handler
-        metadata = dict(details.invocation_metadata or ())
-        request_id = metadata.get("x-request-id") or uuid.uuid4().hex[:12]
-        method = details.method
-
-        def bind() -> None:
-            structlog.contextvars.bind_contextvars(rpc=method, request_id=request_id)
-
-        async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-            code, message = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("rpc failed", error=message)
-            else:
-                log.info("rpc rejected", code=code.name, error=message)
-            await context.abort(code, message)
-
-        if handler.unary_unary:
-            inner = handler.unary_unary
-
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                bind()
-                try:
-                    return await inner(request, context)
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await abort(context, exc)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream:
-            inner_stream = handler.unary_stream
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                bind()
-                try:
-                    async for item in inner_stream(request, context):
-                        yield item
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
-                except Exception as exc:
-                    await abort(context, exc)
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
-        return handler
-
-
 @dataclass
 class RunningServer:
     """A started server: its bound port, health servicer and the app behind it."""
@@ -130,6 +76,7 @@ class RunningServer:
     port: int
     grace_seconds: float
     loop_lag: LoopLagMonitor
+    metrics_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -141,10 +88,12 @@ class RunningServer:
         )
         for name in self.app.service_names:
             await self.health.set(name, status)
+        READY.set(1 if ready else 0)
 
     async def close(self) -> None:
         """Graceful stop: NOT_SERVING → server.stop(grace) → app.stop()."""
         await self.health.enter_graceful_shutdown()
+        READY.set(0)
         await self.server.stop(self.grace_seconds)
         await self.app.stop()
         await self.loop_lag.stop()
@@ -152,8 +101,9 @@ class RunningServer:
 
 async def start_server(app: ServiceApp, settings: ServiceSettings) -> RunningServer:
     """Build, bind and start the server, then start the app and flip readiness to SERVING."""
+    tokens = TokenCheck(settings.security.token())
     server = grpc.aio.server(
-        interceptors=[_ErrorInterceptor()],
+        interceptors=[ServiceInterceptor(tokens, RpcMetrics())],
         options=grpc_options(settings.max_message_bytes),
         maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
     )
@@ -163,17 +113,31 @@ async def start_server(app: ServiceApp, settings: ServiceSettings) -> RunningSer
     reflection.enable_server_reflection(
         (*app.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    credentials = server_credentials(settings.security)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
-        raise OSError(f"could not bind {settings.host}:{settings.port}")
+        raise OSError(f"could not bind {address}")
     app.bound_port = port  # before start(): e.g. the learner advertises host:port for weight fetches
-    loop_lag = LoopLagMonitor(report_every=settings.loop_lag_report_seconds)
+    loop_lag = LoopLagMonitor(report_every=settings.loop_lag_report_seconds, observe=LOOP_LAG.observe)
     running = RunningServer(server, health_servicer, app, port, settings.grace_seconds, loop_lag)
     await running.set_ready(False)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     loop_lag.start()
-    log.info("listening", port=port, services=list(app.service_names))
+    running.metrics_port = serve_metrics(settings.telemetry, settings.host)
+    log.info(
+        "listening",
+        port=port,
+        services=list(app.service_names),
+        tls=credentials is not None,
+        mutual_tls=settings.security.require_client_cert,
+        token=tokens.enabled,
+        metrics_port=running.metrics_port,
+    )
     started = time.perf_counter()
     try:
         await app.start()
@@ -223,6 +187,9 @@ async def serve_until_signalled(app: ServiceApp, settings: ServiceSettings) -> N
 def run_service(name: str, build_app: Callable[[], ServiceApp], settings: ServiceSettings) -> None:
     """Process entry point shared by `python -m services.<svc>`."""
     configure_logging(settings.log_level, service=name)
+    if settings.security.token() and not settings.security.tls:
+        log.warning("a bearer token without TLS travels in clear text: configure --security.tls-cert")
+    set_client_security(ClientSecurity.from_settings(settings.security))  # every channel this process opens
     apply_cpu_affinity(settings.cpus)
     if settings.nice:
         os.nice(settings.nice)  # inherited by every process this service starts (vLLM's engine and workers)

@@ -95,7 +95,17 @@ class EnvSettings(EnvRecipeFields, ServiceSettings):
         description="auto: as the env gives them; chat: wrap text prompts as one user message; "
         "text: serve chat prompts as plain 'role: content' text (for models without a chat template).",
     )
-    score_workers: int = Field(default=1, ge=1, le=64, description="Scoring worker processes.")
+    score_workers: int = Field(default=2, ge=1, le=64, description="Scoring worker processes kept running.")
+    max_score_workers: int = Field(
+        default=8,
+        ge=1,
+        le=64,
+        description="Spare scoring workers are started up to this many while calls wait for a free one "
+        "(a hung reward function holds its worker until --score-timeout-seconds); spares stop when idle.",
+    )
+    spare_worker_after_seconds: float = Field(
+        default=1.0, gt=0, description="Seconds a scoring call waits for a free worker before a spare starts."
+    )
     worker_startup_timeout_seconds: float = Field(
         default=120.0, gt=0, description="How long a scoring worker may take to load the environment."
     )

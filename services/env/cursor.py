@@ -24,6 +24,11 @@ from typing import Any
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.env.base import SPLITS, Environment, PromptItem, SplitName, has_own_sample
 
+# The largest position a draw may start at. Positions are int64 on the wire (next_position) and JSON
+# numbers in the scheduler's ledger: 2^53 keeps both exact and is beyond any run (10^6 prompts/s for
+# 285 years). A draw past it is refused before the cursor moves, so one bad call cannot break the feed.
+MAX_POSITION = 2**53
+
 
 @dataclass(frozen=True)
 class Draw:
@@ -91,6 +96,8 @@ class PromptCursor:
         (a thread for `prompt_at`; an overridden `sample` is awaited and must not block).
         """
         first = self._positions[split] if start is None else start
+        if not 0 <= first <= MAX_POSITION - n:
+            raise InvalidArgument(f"start must be in [0, {MAX_POSITION - n}] for n={n}, got {first}")
         count = self._count(split, first, n)
         self._positions[split] = first + count
         if has_own_sample(self.env):

@@ -77,6 +77,8 @@ class EnvHost:
         pool = ScoringPool(
             self.recipe,
             workers=s.score_workers,
+            max_workers=s.max_score_workers,
+            spare_after=s.spare_worker_after_seconds,
             timeout=s.score_timeout_seconds,
             startup_timeout=s.worker_startup_timeout_seconds,
             max_pending=s.max_pending_scores,

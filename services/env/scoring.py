@@ -7,6 +7,9 @@ calls `setup_scorer()` once, then serves one `score(prompt, completions)` call a
 
 Per call the parent waits at most `timeout` seconds. A worker that times out or dies is killed through
 its own process handle and replaced; the call's completions become failures ("timeout", "crash").
+A hung call must not hold up the others for its whole timeout: when a call has waited `spare_after`
+seconds for a free worker, the pool starts a spare one (up to `max_workers`), and spares beyond
+`workers` stop again when they come back with nobody waiting.
 An exception inside `score` fails the whole call ("exception"); `validate_scores` turns wrong-length
 output, None, non-finite and out-of-range rewards into per-completion failures. Nothing here raises
 for a scorer fault: the caller always gets one `Score` per completion.
@@ -159,6 +162,8 @@ class ScoringPool:
         recipe: EnvRecipe,
         *,
         workers: int = 1,
+        max_workers: int | None = None,
+        spare_after: float = 1.0,
         timeout: float = 10.0,
         startup_timeout: float = 120.0,
         max_pending: int = 256,
@@ -166,6 +171,10 @@ class ScoringPool:
     ) -> None:
         self.recipe = recipe
         self.size = workers
+        self.max_size = max(workers, max_workers or workers)
+        self.spare_after = spare_after
+        self._starting = 0  # spares being started
+        self._waiting = 0  # calls waiting for a free worker
         self.timeout = timeout
         self.startup_timeout = startup_timeout
         self.max_pending = max_pending
@@ -220,18 +229,63 @@ class ScoringPool:
         finally:
             self._pending -= 1
 
+    async def _acquire(self) -> _Worker:
+        """A free worker; after `spare_after` s of waiting, start a spare (a hung call holds one)."""
+        if not self._idle.empty():
+            return self._idle.get_nowait()
+        self._waiting += 1
+        getter = asyncio.ensure_future(self._idle.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=self.spare_after)
+                if done:
+                    return getter.result()
+                if len(self._workers) + self._starting < self.max_size:
+                    self._starting += 1
+                    spare = asyncio.ensure_future(self._start_spare())
+                    self._tasks.add(spare)  # type: ignore[arg-type]
+                    spare.add_done_callback(self._tasks.discard)  # type: ignore[arg-type]
+        except BaseException:
+            if getter.done() and not getter.cancelled():
+                self._idle.put_nowait(getter.result())  # got one just as we were cancelled: give it back
+            getter.cancel()
+            raise
+        finally:
+            self._waiting -= 1
+
+    async def _start_spare(self) -> None:
+        try:
+            worker = await asyncio.to_thread(_Worker, self.recipe, self.startup_timeout)
+        except EnvLoadError as exc:
+            log.error("spare scoring worker failed to start", error=str(exc))
+            return
+        finally:
+            self._starting -= 1
+        self._workers.add(worker)
+        self.counters["spare_workers_started"] += 1
+        log.info("spare scoring worker started: a call waited for a free one", workers=len(self._workers))
+        self._idle.put_nowait(worker)
+
+    async def _release(self, worker: _Worker) -> None:
+        if not worker.alive and len(self._workers) > self.size:
+            self._workers.discard(worker)  # a dead spare is not replaced
+        elif not worker.alive:
+            await self._replace(worker)
+        elif len(self._workers) > self.size and self._waiting == 0:
+            self._workers.discard(worker)  # a spare nobody waits for: stop it
+            await asyncio.to_thread(worker.stop)
+        else:
+            self._idle.put_nowait(worker)
+
     async def _run(self, prompt: PromptItem, completions: list[str]) -> list[Score]:
-        worker = await self._idle.get()
+        worker = await self._acquire()
         try:
             status, payload = await asyncio.to_thread(worker.call, prompt, completions, self.timeout)
         except BaseException:
             worker.kill()
             raise
         finally:
-            if not worker.alive:
-                await self._replace(worker)
-            else:
-                self._idle.put_nowait(worker)
+            await self._release(worker)
         n = len(completions)
         if status == "ok":
             scores = validate_scores(payload, n, self.reward_range)

@@ -114,3 +114,42 @@ async def test_pool_start_reports_load_errors() -> None:
     pool = ScoringPool(EnvRecipe(f"{FAULTY}:NoSuchEnv"), workers=1)
     with pytest.raises(EnvLoadError, match="has no attribute 'NoSuchEnv'"):
         await pool.start()
+
+
+async def test_a_hung_call_does_not_hold_up_the_others() -> None:
+    """One worker, stuck on a reward that hangs: the next call gets a spare worker and is scored
+    while the stuck call still runs; the stuck call still ends as a recorded timeout, and the spare
+    stops once nobody waits for it."""
+    pool = ScoringPool(
+        EnvRecipe(f"{FAULTY}:FaultyEnv"), workers=1, max_workers=2, spare_after=0.2, timeout=20.0
+    )
+    await pool.start()
+    try:
+        hung = asyncio.ensure_future(pool.score(PROMPT, ["sleep", "0"]))
+        await asyncio.sleep(0)
+        scored = await pool.score(PROMPT, ["0", "7"])
+        assert [s.reward for s in scored] == [1.0, 0.0]
+        assert not hung.done()  # scored while the hung call still holds the first worker
+        assert pool.counters["spare_workers_started"] == 1
+        hung.cancel()  # the caller gives up; close() below stops the stuck worker
+        with pytest.raises(asyncio.CancelledError):
+            await hung
+    finally:
+        await pool.close()
+
+
+async def test_spare_workers_stop_when_idle_and_timeouts_are_recorded() -> None:
+    pool = ScoringPool(
+        EnvRecipe(f"{FAULTY}:FaultyEnv"), workers=1, max_workers=2, spare_after=0.2, timeout=3.0
+    )
+    await pool.start()
+    try:
+        hung = asyncio.ensure_future(pool.score(PROMPT, ["sleep"]))
+        await asyncio.sleep(0)
+        assert [s.reward for s in await pool.score(PROMPT, ["0"])] == [1.0]
+        assert len(pool._workers) == 1  # the spare came back with nobody waiting: stopped
+        assert kinds(await hung) == ["timeout"]
+        assert pool.counters["failures.timeout"] == 1
+        assert [s.reward for s in await pool.score(PROMPT, ["0"])] == [1.0]
+    finally:
+        await pool.close()

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
-from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from services.common import validation as check
+from services.common.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
 from services.common.weights import dtype_name
 from services.learner.batching import Sample, validate_sample
@@ -154,9 +155,7 @@ class Learner:
     ) -> tuple[list[float], int]:
         """Logprobs of completion tokens under the current weights, and that weight version."""
         trainer = self._ready()
-        if temperature < 0:
-            raise InvalidArgument("temperature must be >= 0 (0 means 1.0, like vLLM greedy logprobs)")
-        temperature = temperature or 1.0
+        check.temperature(temperature, "sequence.temperature")
 
         def score() -> tuple[list[float], int]:  # on the model thread: building + validating is O(tokens)
             sample = Sample(

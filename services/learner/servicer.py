@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from grpo.common.v1 import types_pb2
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
+from services.common import validation as check
 from services.common.errors import InvalidArgument
 from services.learner.batching import Sample
 from services.learner.learner import Decoded, Learner
@@ -32,16 +33,18 @@ def samples_from_batch(batch: types_pb2.TrainBatch) -> Decoded:
             raise InvalidArgument(f"{where}: {len(group.advantages)} advantages for {n} completions")
         if group.rewards and len(group.rewards) != n:
             raise InvalidArgument(f"{where}: {len(group.rewards)} rewards for {n} completions")
-        for completion, advantage in zip(group.completions, group.advantages, strict=True):
-            temperature = completion.sampling_params.temperature
+        check.all_finite(group.rewards, f"{where}.rewards")  # advantages and logprobs: validate_sample
+        for ci, (completion, advantage) in enumerate(zip(group.completions, group.advantages, strict=True)):
+            field = f"{where}.completions[{ci}]"
             samples.append(
                 Sample(
                     prompt_ids=tuple(completion.prompt_token_ids),
                     completion_ids=tuple(completion.completion_token_ids),
                     behav_logprobs=tuple(completion.logprobs),
                     advantage=float(advantage),
-                    # vLLM reports unscaled logprobs for greedy (T=0) and unset params mean T=1
-                    temperature=float(temperature) if temperature > 0 else 1.0,
+                    temperature=check.temperature(
+                        completion.sampling_params.temperature, f"{field}.sampling_params.temperature"
+                    ),
                 )
             )
         rewards.extend(float(r) for r in group.rewards)

@@ -3,6 +3,7 @@
     [rollout]        model, engine choice, capacity, context length, dtype, weight-sync deadlines
     [rollout.vllm]   vLLM engine arguments (--vllm.max-num-seqs 128)         → vllm_engine.py
     [rollout.hf]     transformers engine (--hf.max-batch-size 16)            → hf_engine.py
+    [rollout.limits] request bounds (--limits.max-n 256)                     → validation.py
 
 The engines read these models directly; nothing is copied into a second set of options.
 """
@@ -55,6 +56,20 @@ class HfConfig(_Section):
     )
 
 
+class RequestLimits(_Section):
+    """Bounds on what one request may ask for (beyond them: INVALID_ARGUMENT, never an engine error)."""
+
+    max_n: int = Field(
+        default=256, ge=1, description="Largest n (completions per prompt) a Generate request may ask for."
+    )
+    max_temperature: float = Field(
+        default=2.0, gt=0, le=2.0, description="Highest sampling temperature (vLLM's own limit is 2)."
+    )
+    max_stop_strings: int = Field(default=16, ge=0, description="Most stop strings per request.")
+    max_stop_chars: int = Field(default=256, ge=1, description="Longest stop string, in characters.")
+    max_id_chars: int = Field(default=256, ge=1, description="Longest request or prompt id, in characters.")
+
+
 class RolloutSettings(ServiceSettings):
     """Everything `python -m services.rollout` accepts; see `--help`."""
 
@@ -95,6 +110,9 @@ class RolloutSettings(ServiceSettings):
     )
     tokenize_threads: int = Field(
         default=2, ge=1, description="Threads that tokenize prompts off the event loop."
+    )
+    limits: RequestLimits = Field(
+        default_factory=RequestLimits, description="Request bounds ([rollout.limits])."
     )
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine ([rollout.vllm]).")
     hf: HfConfig = Field(default_factory=HfConfig, description="transformers engine ([rollout.hf]).")

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from services.common import validation as check
 from services.common.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
 from services.rollout.config import RolloutSettings
@@ -191,11 +192,11 @@ class Rollout:
     ) -> AsyncIterator[Generated]:
         """Validate, admit, tokenize and stream each finished completion of the request."""
         sampling = normalize_sampling(sampling)
-        validate_prompt(prompt)
-        validate_sampling(sampling)
-        if not request_id:
-            raise InvalidArgument("request_id is empty")
-        self._admit(request_id)
+        limits = self.settings.limits
+        validate_prompt(prompt, limits)
+        check.text_id(request_id, "request_id", limits.max_id_chars)
+        self._admit(request_id)  # UNAVAILABLE while loading: the context length is known after it
+        validate_sampling(sampling, limits, self._engine.max_model_len)
         self._in_flight.add(request_id)
         try:
             prompt_ids = await self.tokenize(prompt)

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.errors import InvalidArgument
+from services.common import validation as check
+from services.common.errors import InvalidArgument, quoted
+from services.rollout.config import RequestLimits
 from services.rollout.engine import Sampling
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -24,8 +26,12 @@ class PromptInput:
     messages: tuple[tuple[str, str], ...] = ()
 
 
-def validate_prompt(prompt: PromptInput) -> None:
-    """Exactly one of text / messages; chat roles must be known and contents non-empty."""
+DEFAULT_LIMITS = RequestLimits()
+
+
+def validate_prompt(prompt: PromptInput, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+    """A bounded id; exactly one of text / messages; chat roles must be known and contents non-empty."""
+    check.text_id(prompt.prompt_id, "prompt.id", limits.max_id_chars, required=False)
     if bool(prompt.text) == bool(prompt.messages):
         which = "both" if prompt.text else "neither"
         raise InvalidArgument(
@@ -34,29 +40,45 @@ def validate_prompt(prompt: PromptInput) -> None:
     for position, (role, content) in enumerate(prompt.messages):
         if role not in CHAT_ROLES:
             raise InvalidArgument(
-                f"prompt.messages[{position}].role must be one of {CHAT_ROLES}, got {role!r}"
+                f"prompt.messages[{position}].role must be one of {CHAT_ROLES}, got {quoted(role)}"
             )
         if not content:
             raise InvalidArgument(f"prompt.messages[{position}].content is empty")
 
 
-def validate_sampling(sampling: Sampling) -> None:
-    """n ≥ 1, max_tokens ≥ 1, temperature > 0 (finite), 0 < top_p ≤ 1, top_k ≥ 0, stop strings non-empty."""
-    if sampling.n < 1:
-        raise InvalidArgument(f"sampling_params.n must be >= 1, got {sampling.n}")
-    if sampling.max_tokens < 1:
-        raise InvalidArgument(f"sampling_params.max_tokens must be >= 1, got {sampling.max_tokens}")
-    if not sampling.temperature > 0 or sampling.temperature == float("inf"):
+def validate_sampling(
+    sampling: Sampling, limits: RequestLimits = DEFAULT_LIMITS, max_model_len: int = 0
+) -> None:
+    """1 ≤ n ≤ max_n, 1 ≤ max_tokens < max_model_len, 0 < temperature ≤ max_temperature, 0 < top_p ≤ 1,
+    top_k ≥ 0, seed ≥ 0, a bounded number of non-empty, bounded stop strings."""
+    if not 1 <= sampling.n <= limits.max_n:
+        raise InvalidArgument(f"sampling_params.n must be in [1, {limits.max_n}], got {sampling.n}")
+    if sampling.max_tokens < 1 or (max_model_len and sampling.max_tokens >= max_model_len):
+        bound = f", < max_model_len {max_model_len}" if max_model_len else ""
+        raise InvalidArgument(f"sampling_params.max_tokens must be >= 1{bound}, got {sampling.max_tokens}")
+    if not sampling.temperature > 0:
         raise InvalidArgument(
             f"sampling_params.temperature must be > 0 (greedy is not supported: behaviour logprobs need "
             f"a sampling distribution), got {sampling.temperature}"
         )
+    check.temperature(sampling.temperature, "sampling_params.temperature", limits.max_temperature)
     if not 0 < sampling.top_p <= 1:
         raise InvalidArgument(f"sampling_params.top_p must be in (0, 1] (1 = off), got {sampling.top_p}")
     if sampling.top_k < 0:
         raise InvalidArgument(f"sampling_params.top_k must be >= 0 (0 = off), got {sampling.top_k}")
-    if any(not s for s in sampling.stop):
-        raise InvalidArgument("sampling_params.stop contains an empty string")
+    if sampling.seed < 0:
+        raise InvalidArgument(f"sampling_params.seed must be >= 0 (0 = unseeded), got {sampling.seed}")
+    if len(sampling.stop) > limits.max_stop_strings:
+        raise InvalidArgument(
+            f"sampling_params.stop has {len(sampling.stop)} strings (max {limits.max_stop_strings})"
+        )
+    for index, stop in enumerate(sampling.stop):
+        if not stop:
+            raise InvalidArgument("sampling_params.stop contains an empty string")
+        if len(stop) > limits.max_stop_chars:
+            raise InvalidArgument(
+                f"sampling_params.stop[{index}] is {len(stop)} characters (max {limits.max_stop_chars})"
+            )
 
 
 def normalize_sampling(sampling: Sampling) -> Sampling:
@@ -95,8 +117,7 @@ def validate_score_request(
         raise InvalidArgument("sequence.prompt_token_ids is empty")
     if not completion_ids:
         raise InvalidArgument("sequence.completion_token_ids is empty")
-    if not temperature > 0 or temperature == float("inf"):
-        raise InvalidArgument(f"sequence.temperature must be > 0, got {temperature}")
+    check.temperature(temperature, "sequence.temperature")
     total = len(prompt_ids) + len(completion_ids)
     if total >= max_len:  # engines need room for one more position (vLLM rejects prompt == max_model_len)
         raise InvalidArgument(f"sequence has {total} tokens; it must be shorter than max_model_len {max_len}")

@@ -79,6 +79,15 @@ class SchedulerSettings(ServiceSettings):
         default_factory=lambda: ["127.0.0.1:50052"],
         description="Rollout services host:port (more can join with RegisterWorker).",
     )
+    max_rollouts: int = Field(
+        default=256, ge=1, description="Most rollouts the run knows (configured + RegisterWorker)."
+    )
+    forget_unreachable_after: float = Field(
+        default=300.0,
+        gt=0,
+        description="Seconds after which a rollout that joined with RegisterWorker and stopped answering "
+        "is forgotten (it may register again).",
+    )
     group_size: int = Field(default=8, ge=2, description="Completions per prompt (G).")
     groups_per_batch: int = Field(default=16, ge=1, description="Prompt groups per optimizer step (B).")
     max_steps: int = Field(

@@ -505,7 +505,7 @@ class Orchestrator:
 
     def register_rollout(self, address: str) -> str:
         """Add a rollout; the health monitor syncs it to the current version before it gets work."""
-        return self.pool.add(address).address
+        return self.pool.add(address, registered=True).address
 
     @property
     def paused(self) -> bool:

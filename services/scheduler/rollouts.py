@@ -4,15 +4,20 @@ A handle is usable for new work when it is healthy, not in a weight sync, and no
 `needs_sync`: a rollout that (re)joins with weights other than the run's current version, or whose
 last stage/commit failed (and was aborted), gets the current version before any work, whatever the
 staleness bound would allow.
+
+The pool is bounded: at most `max_rollouts` handles, and a rollout that joined with RegisterWorker
+and has not answered for `forget_after` seconds is forgotten (the configured ones are kept: a
+supervisor brings them back), so bogus or dead registrations cannot grow the pool or GetStatus.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from services.common.errors import GrpoError
+from services.common.errors import GrpoError, ResourceExhausted
 from services.common.logging import get_logger
 from services.scheduler.clients import RolloutClient
 from services.scheduler.policy import RolloutSlot, choose_rollout
@@ -33,6 +38,8 @@ class RolloutHandle:
     needs_sync: bool = False
     weight_workers: int = 1
     instance_id: str = ""
+    registered: bool = False  # joined with RegisterWorker (forgotten when unreachable too long)
+    unreachable_since: float | None = field(default_factory=time.monotonic)  # None while healthy
 
     @property
     def name(self) -> str:
@@ -50,16 +57,49 @@ class RolloutHandle:
 class RolloutPool:
     """All known rollouts; `changed` is notified whenever credits, health or versions move."""
 
-    def __init__(self, connect: Callable[[str], RolloutClient]) -> None:
+    def __init__(
+        self, connect: Callable[[str], RolloutClient], max_rollouts: int = 256, forget_after: float = 300.0
+    ) -> None:
         self._connect = connect
         self._by_address: dict[str, RolloutHandle] = {}
+        self.max_rollouts = max_rollouts
+        self.forget_after = forget_after
+        self._closing: set[asyncio.Task] = set()
         self.changed = asyncio.Condition()
 
-    def add(self, address: str) -> RolloutHandle:
+    def add(self, address: str, registered: bool = False) -> RolloutHandle:
         """The handle for `address` (created unhealthy; the next refresh finds out its state)."""
         if address not in self._by_address:
-            self._by_address[address] = RolloutHandle(address, self._connect(address))
+            if len(self._by_address) >= self.max_rollouts:
+                self.forget_unreachable()
+            if len(self._by_address) >= self.max_rollouts:
+                raise ResourceExhausted(
+                    f"{len(self._by_address)} rollouts known (max {self.max_rollouts}); registered ones "
+                    f"that stay unreachable are forgotten after {self.forget_after:g}s"
+                )
+            self._by_address[address] = RolloutHandle(address, self._connect(address), registered=registered)
         return self._by_address[address]
+
+    def forget_unreachable(self) -> list[str]:
+        """Drop registered rollouts unreachable for `forget_after` s with no work or sync on them."""
+        now = time.monotonic()
+        gone = [
+            h
+            for h in self._by_address.values()
+            if h.registered
+            and not h.healthy
+            and h.in_flight == 0
+            and not h.syncing
+            and h.unreachable_since is not None
+            and now - h.unreachable_since >= self.forget_after
+        ]
+        for handle in gone:
+            del self._by_address[handle.address]
+            task = asyncio.ensure_future(handle.client.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            log.warning("forgot an unreachable registered rollout", address=handle.address)
+        return [h.address for h in gone]
 
     def handles(self) -> list[RolloutHandle]:
         return list(self._by_address.values())
@@ -95,10 +135,15 @@ class RolloutPool:
 
     async def refresh_all(self, current_version: int) -> None:
         await asyncio.gather(*(self.refresh(h, current_version) for h in self.handles()))
+        self.forget_unreachable()
 
     async def mark(self, handle: RolloutHandle, *, healthy: bool) -> None:
         async with self.changed:
             handle.healthy = healthy
+            if healthy:
+                handle.unreachable_since = None
+            elif handle.unreachable_since is None:
+                handle.unreachable_since = time.monotonic()
             self.changed.notify_all()
 
     async def acquire(self, train_version: Callable[[], int], max_staleness: int) -> RolloutHandle:

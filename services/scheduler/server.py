@@ -37,7 +37,11 @@ class SchedulerApp:
         timeouts = settings.timeouts
         self.env = GrpcEnvClient(settings.env_address, timeouts)
         self.learner = GrpcLearnerClient(settings.learner_address, timeouts)
-        self.pool = RolloutPool(partial(GrpcRolloutClient, timeouts=timeouts))
+        self.pool = RolloutPool(
+            partial(GrpcRolloutClient, timeouts=timeouts),
+            max_rollouts=settings.max_rollouts,
+            forget_after=settings.forget_unreachable_after,
+        )
         for address in settings.rollout_addresses:
             self.pool.add(address)
         self.orchestrator = Orchestrator(settings, self.env, self.learner, self.pool)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common import validation as check
 from services.common.errors import InvalidArgument
 from services.scheduler.orchestrator import Orchestrator
 
@@ -18,9 +19,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise InvalidArgument(
                 "only rollout workers can join a running scheduler (kind=WORKER_KIND_ROLLOUT)"
             )
-        host, _, port = request.address.rpartition(":")
-        if not host or not port.isdigit():
-            raise InvalidArgument(f"address must be host:port, got {request.address!r}")
+        check.address(request.address)
         worker_id = self._orchestrator.register_rollout(request.address)
         return scheduler_pb2.RegisterWorkerResponse(worker_id=worker_id)
 

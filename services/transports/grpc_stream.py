@@ -17,6 +17,7 @@ import torch
 
 from grpo.common.v1 import types_pb2
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
+from services.common import validation as check
 from services.common import weights
 from services.common.clients import GrpcClient
 from services.common.errors import (
@@ -140,8 +141,7 @@ class GrpcStreamTransport(WeightTransport):
 
     # ---- rollout half
     def read_descriptor(self, message: types_pb2.WeightVersion) -> GrpcStreamDescriptor:
-        if not message.grpc_stream.address:
-            raise InvalidArgument("weight_version.grpc_stream.address is empty")
+        check.address(message.grpc_stream.address, "weight_version.grpc_stream.address")
         return GrpcStreamDescriptor(message.grpc_stream.address, message.grpc_stream.chunk_bytes)
 
     async def stage(self, target: StageTarget, ctx: StageContext) -> Staged:

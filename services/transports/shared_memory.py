@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ import torch
 
 from grpo.common.v1 import types_pb2
 from services.common import weights
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, quoted
 from services.common.logging import get_logger
 from services.transports.base import (
     LoadPlan,
@@ -39,6 +40,25 @@ from services.transports.base import (
 )
 
 log = get_logger(__name__)
+
+# The only names a rollout attaches: what a learner publishes, `grpo_<learner instance>_v<version>`
+# for the very version being staged. A caller can name no other segment (`../x`, another program's).
+_SEGMENT_NAME = re.compile(r"grpo_([0-9A-Za-z]{1,32})_v(\d{1,19})")
+
+
+def segment_name(run_id: str, version: int) -> str:
+    return f"grpo_{run_id}_v{version}"
+
+
+def check_segment_name(name: str, version: int) -> None:
+    """InvalidArgument unless `name` is a learner's segment for `version`."""
+    match = _SEGMENT_NAME.fullmatch(name) if len(name) <= 64 else None
+    if match is None or int(match.group(2)) != version:
+        raise InvalidArgument(
+            f"weight_version.shared_memory.segment_name must be a learner's segment for version {version} "
+            f"(grpo_<learner run id>_v{version}), got {quoted(name)}"
+        )
+
 
 _CREATED_HERE: set[str] = set()  # segments this process created (its tracker entry is the producer's)
 
@@ -162,7 +182,7 @@ class SharedMemoryTransport(WeightTransport):
         receivers: tuple[Receiver, ...] = (),
     ) -> Prepared:
         entries = weights.plan_layout(state)
-        segment = create_segment(f"grpo_{ctx.run_id}_v{version}", weights.packed_size(entries))
+        segment = create_segment(segment_name(ctx.run_id, version), weights.packed_size(entries))
         try:
             manifest = weights.build_manifest(state, segment.buf, ctx.bucket_bytes)
         except BaseException:
@@ -179,8 +199,7 @@ class SharedMemoryTransport(WeightTransport):
     # ---- rollout half
     def read_descriptor(self, message: types_pb2.WeightVersion) -> SharedMemoryDescriptor:
         name = message.shared_memory.segment_name
-        if not name:
-            raise InvalidArgument("weight_version.shared_memory.segment_name is empty")
+        check_segment_name(name, message.version)
         return SharedMemoryDescriptor(name, message.shared_memory.size)
 
     async def stage(self, target: StageTarget, ctx: StageContext) -> Staged:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from services.common.errors import ResourceExhausted
 from services.scheduler.rollouts import RolloutPool
 
 from .fakes import FakeRollout
@@ -56,3 +59,25 @@ async def test_acquire_takes_credits_from_the_least_loaded_fresh_rollout_and_wai
     assert not waiting.done()
     await pool.release(taken[-1])
     assert (await asyncio.wait_for(waiting, 1)).address == taken[-1].address
+
+
+async def test_the_pool_is_bounded_and_forgets_dead_registrations() -> None:
+    """Configured rollouts stay; registered ones that never answer are forgotten after forget_after,
+    which makes room again; beyond max_rollouts a registration is RESOURCE_EXHAUSTED."""
+    rollouts = {name: FakeRollout(name, alive=False) for name in ("configured", "r1", "r2", "r3")}
+    pool = RolloutPool(lambda address: rollouts[address], max_rollouts=3, forget_after=0.05)
+    pool.add("configured")
+    pool.add("r1", registered=True)
+    pool.add("r2", registered=True)
+    assert pool.add("r2", registered=True) is pool.add("r2")  # the same address twice: one handle
+    await asyncio.sleep(0)
+    pool.forget_after = 3600.0
+    with pytest.raises(ResourceExhausted, match="max 3"):
+        pool.add("r3", registered=True)
+    pool.forget_after = 0.0
+    await pool.refresh_all(current_version=0)  # r1 and r2 unreachable: forgotten, configured kept
+    assert sorted(h.address for h in pool.handles()) == ["configured"]
+    rollouts["r3"].alive = True
+    pool.add("r3", registered=True)
+    await pool.refresh_all(current_version=0)
+    assert [h.address for h in pool.healthy()] == ["r3"]

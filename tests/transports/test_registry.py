@@ -47,10 +47,10 @@ def test_target_from_proto_rejects_missing_or_planned_transport_and_bad_manifest
     with pytest.raises(FailedPrecondition, match="checkpoint weight transport is not implemented yet"):
         transports.target_from_proto(message)
     message.shared_memory.segment_name = ""
-    with pytest.raises(InvalidArgument, match="segment_name is empty"):
+    with pytest.raises(InvalidArgument, match="segment_name must be a learner"):
         transports.target_from_proto(message)
     message.grpc_stream.address = ""
-    with pytest.raises(InvalidArgument, match="address is empty"):
+    with pytest.raises(InvalidArgument, match="address must be host:port"):
         transports.target_from_proto(message)
     message.grpc_stream.address = "h:1"
     message.total_bytes += 1

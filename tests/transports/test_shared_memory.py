@@ -60,7 +60,7 @@ async def test_learner_rollout_and_engine_halves_round_trip() -> None:
 
 async def test_stage_verifies_checksums_and_refuses_missing_segments() -> None:
     packed = Packed(sample_state(1))
-    name = f"grpo_test_{uuid.uuid4().hex[:10]}"
+    name = f"grpo_{uuid.uuid4().hex[:8]}_v5"
     producer = packed.to_segment(name)
     transport = transports.get(TransportKind.shared_memory)
     try:

@@ -17,6 +17,9 @@ from services.common.errors import InvalidArgument, quoted
 # vLLM refuses temperatures above 2 (SamplingParams: "temperature must be in [0, 2]"); the learner
 # and the transformers engine use the same bound so every engine accepts the same requests.
 MAX_TEMPERATURE = 2.0
+# ... and silently raises temperatures below 0.01 to 0.01 (logits / T overflows below it): a request
+# at 0.001 would be sampled at 0.01 while its logprobs claim 0.001. Refused instead.
+MIN_TEMPERATURE = 0.01
 # ids, worker names, request ids: printable ASCII without spaces or quotes
 _ID = re.compile(r"[A-Za-z0-9._:@/+=-]+")
 # host:port, host a DNS name, an IPv4 address or a bracketed IPv6 address
@@ -37,9 +40,10 @@ def all_finite(values: Iterable[float], field: str) -> None:
 
 
 def temperature(value: float, field: str, maximum: float = MAX_TEMPERATURE) -> float:
-    """A sampling temperature: finite, > 0 (behaviour logprobs need a distribution), ≤ `maximum`."""
-    if not (math.isfinite(value) and 0 < value <= maximum):
-        raise InvalidArgument(f"{field} must be in (0, {maximum:g}], got {value}")
+    """A sampling temperature: finite, ≥ 0.01 (behaviour logprobs need a distribution; see
+    MIN_TEMPERATURE), ≤ `maximum`."""
+    if not (math.isfinite(value) and MIN_TEMPERATURE <= value <= maximum):
+        raise InvalidArgument(f"{field} must be in [{MIN_TEMPERATURE:g}, {maximum:g}], got {value}")
     return value
 
 

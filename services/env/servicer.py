@@ -85,7 +85,7 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServiceServicer):
     async def DescribeEnvironment(self, request, context) -> env_pb2.DescribeEnvironmentResponse:
         d = self.host.describe()
         low, high = d["reward_range"]
-        return env_pb2.DescribeEnvironmentResponse(
+        response = env_pb2.DescribeEnvironmentResponse(
             name=d["name"],
             description=d["description"],
             options_json=json.dumps(d["options"], sort_keys=True),
@@ -94,10 +94,13 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServiceServicer):
             failure_policy=_POLICIES[d["failure_policy"]],
             failure_reward=d["failure_reward"],
             score_timeout_seconds=d["score_timeout_seconds"],
-            reward_min=low if math.isfinite(low) else -math.inf,
-            reward_max=high if math.isfinite(high) else math.inf,
             success_threshold=d["success_threshold"],
         )
+        if math.isfinite(low):
+            response.reward_min = low
+        if math.isfinite(high):
+            response.reward_max = high
+        return response
 
     async def SamplePrompts(self, request, context) -> env_pb2.SamplePromptsResponse:
         if request.split not in _SPLITS:

@@ -6,6 +6,7 @@ decoded samples: converting every token and logprob is O(tokens) and runs on the
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 
 from grpo.common.v1 import types_pb2
@@ -59,7 +60,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         batch = request.batch
         outcome = await self.learner.train_step(lambda: samples_from_batch(batch), batch.batch_id, batch.step)
         result = types_pb2.StepResult(step=outcome.step, weight_version=outcome.weight_version)
-        result.metrics.update(outcome.metrics)
+        # a batch whose loss overflowed skipped its update (update_skipped = 1): its inf/NaN metrics
+        # are left out rather than sent as numbers nobody can plot
+        result.metrics.update({k: v for k, v in outcome.metrics.items() if math.isfinite(v)})
         return learner_pb2.TrainStepResponse(result=result)
 
     async def PrepareWeights(self, request, context) -> learner_pb2.PrepareWeightsResponse:

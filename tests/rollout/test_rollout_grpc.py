@@ -149,7 +149,7 @@ async def test_invalid_generate_requests(server: Running, prompt, sampling, need
 async def test_invalid_score_requests(server: Running) -> None:
     for prompt, completion, temperature, needle in [
         ([1, 2], [], 1.0, "completion_token_ids is empty"),
-        ([1, 2], [3], 0.0, "temperature must be in (0, 2]"),
+        ([1, 2], [3], 0.0, "temperature must be in [0.01, 2]"),
         ([1, 2], [10**6], 1.0, "outside the vocabulary"),
     ]:
         with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -40,22 +40,29 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
-class _BearerToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds `authorization: Bearer <token>` to every call (also on a plaintext channel, where gRPC's
-    call credentials would refuse to send it; serve.py warns about that set-up)."""
+def _with_token(details: grpc.aio.ClientCallDetails, metadata: tuple) -> grpc.aio.ClientCallDetails:
+    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), *metadata))
+
+
+class _UnaryToken(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every unary call (also on a plaintext channel, where
+    gRPC's call credentials would refuse to send it; serve.py warns about that set-up)."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self._metadata = metadata
 
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
-        return details._replace(metadata=metadata)
-
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
+        return await continuation(_with_token(details, self._metadata), request)
+
+
+class _StreamToken(grpc.aio.UnaryStreamClientInterceptor):
+    """The same for server-streaming calls (grpc.aio files an interceptor under one kind only)."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
 
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
+        return await continuation(_with_token(details, self._metadata), request)
 
 
 def open_channel(
@@ -67,7 +74,8 @@ def open_channel(
     options = grpc_options(max_message_bytes)
     if security.server_name:
         options.append(("grpc.ssl_target_name_override", security.server_name))
-    interceptors = [_BearerToken(security.metadata())] if security.token else None
+    metadata = security.metadata()
+    interceptors = [_UnaryToken(metadata), _StreamToken(metadata)] if metadata else None
     credentials = security.channel_credentials()
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)

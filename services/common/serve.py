@@ -33,7 +33,16 @@ from services.common.interceptor import ServiceInterceptor
 from services.common.logging import configure_logging, get_logger
 from services.common.loop_lag import LoopLagMonitor
 from services.common.security import ClientSecurity, TokenCheck, server_credentials, set_client_security
-from services.common.telemetry import LOOP_LAG, READY, RpcMetrics, serve_metrics
+from services.common.telemetry import (
+    LOOP_LAG,
+    READY,
+    AppCollector,
+    RpcMetrics,
+    register_app,
+    serve_metrics,
+    stop_metrics,
+    unregister,
+)
 
 log = get_logger(__name__)
 
@@ -77,6 +86,7 @@ class RunningServer:
     grace_seconds: float
     loop_lag: LoopLagMonitor
     metrics_port: int | None = None
+    collector: AppCollector | None = None
 
     @property
     def address(self) -> str:
@@ -97,6 +107,8 @@ class RunningServer:
         await self.server.stop(self.grace_seconds)
         await self.app.stop()
         await self.loop_lag.stop()
+        unregister(self.collector)
+        stop_metrics(self.metrics_port)
 
 
 async def start_server(app: ServiceApp, settings: ServiceSettings) -> RunningServer:
@@ -129,6 +141,8 @@ async def start_server(app: ServiceApp, settings: ServiceSettings) -> RunningSer
     await server.start()
     loop_lag.start()
     running.metrics_port = serve_metrics(settings.telemetry, settings.host)
+    if running.metrics_port is not None:
+        running.collector = register_app(app)
     log.info(
         "listening",
         port=port,

@@ -120,6 +120,14 @@ class EnvHost:
             "success_threshold": scorer.success_threshold,
         }
 
+    @property
+    def ready(self) -> bool:
+        return self._hosted is not None
+
+    def workers(self) -> int:
+        """Scoring worker processes running now (spares included)."""
+        return len(self._ready().pool._workers)
+
     def metrics(self) -> dict[str, float]:
         """Cumulative counters under "env/" (host counters plus the pool's)."""
         pool = self._ready().pool

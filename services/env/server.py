@@ -12,6 +12,7 @@ import grpc
 
 from grpo.env.v1 import env_pb2, env_pb2_grpc
 from services.common.serve import run_service, service_names
+from services.common.telemetry import Reading
 from services.env.check import main as check_main
 from services.env.config import EnvSettings
 from services.env.host import EnvHost
@@ -37,6 +38,27 @@ class EnvApp:
 
     async def stop(self) -> None:
         await self.host.stop()
+
+    def metrics_snapshot(self) -> list[Reading]:
+        """Prometheus view (telemetry.py): the host's counters, split positions and scoring workers."""
+        if not self.host.ready:
+            return []
+        readings = [
+            Reading("grpo_env_events", "Environment events (prompts sampled, groups scored, failures "
+                    "by kind, worker restarts), by event.", value, {"event": key.removeprefix("env/")},
+                    counter=True)
+            for key, value in self.host.metrics().items()
+        ]  # fmt: skip
+        readings += [
+            Reading(
+                "grpo_env_position", "Prompt cursor position, by split.", float(position), {"split": split}
+            )
+            for split, position in self.host.positions().items()
+        ]
+        readings.append(
+            Reading("grpo_env_score_workers", "Scoring worker processes running.", self.host.workers())
+        )
+        return readings
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,7 +32,9 @@ from services.common.advantages import LossKind
 from services.common.clients import GrpcClient
 from services.common.cpus import format_cpu_list, split_cores
 from services.common.errors import GrpoError
+from services.common.security import ClientSecurity, SecuritySettings, set_client_security
 from services.launch import pretrained
+from services.launch.certs import RunCredentials, issue
 from services.launch.processes import ServiceFailed, ServiceProcess
 from services.launch.report import last_row, plot_reward, read_metrics, summarize
 from services.launch.supervisor import RestartPolicy, Supervisor
@@ -125,14 +127,30 @@ class DemoSettings(BaseSettings):
         default=False,
         description="Continue the run in --run-dir (its ledger and checkpoints) instead of starting clean.",
     )
+    secure: bool = Field(
+        default=False,
+        description="Mutual TLS and a bearer token on every RPC: a throwaway CA, certificates and token are "
+        "made in <run-dir>/tls/ (grpcurl: -cacert ca.pem -cert operator.pem -key operator.key).",
+    )
+    metrics: bool = Field(
+        default=True,
+        description="Prometheus /metrics on a free port per service (<run-dir>/<svc>.metrics-port).",
+    )
 
 
-def run_config(cfg: DemoSettings, model: str) -> dict:
-    """The one run-config file shared by the four services (a table each)."""
+def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = None) -> dict:
+    """The one run-config file shared by the four services (a table each, plus the shared
+    `[security]` and `[telemetry]` tables every service reads)."""
     env_args = {} if cfg.env_arg or cfg.env != "arithmetic" else dict(DEMO_TASK)
     run_dir = cfg.run_dir.resolve()
     seed = {} if cfg.seed is None else {"seed": cfg.seed}
+    shared: dict = {}
+    if creds is not None:
+        shared["security"] = creds.security_table(mutual=True)
+    if cfg.metrics:
+        shared["telemetry"] = {"metrics_port": 0}
     return {
+        **shared,
         "env": {"spec": cfg.env, "env_args": env_args, "env_arg": cfg.env_arg, **seed},
         "learner": {
             "model": model,
@@ -253,8 +271,14 @@ async def run_demo(cfg: DemoSettings) -> int:
         model = str(
             await asyncio.to_thread(build_tiny_model, model_dir, warm_start_steps=cfg.warm_start_steps)
         )
+    creds = None
+    if cfg.secure:
+        creds = issue(cfg.run_dir.resolve() / "tls")
+        # the launcher's own calls (health checks, status) go through the same TLS and token
+        set_client_security(ClientSecurity.from_settings(SecuritySettings(**creds.security_table())))
+        print(f"security: mutual TLS + bearer token (credentials in {creds.directory})", flush=True)
     config_path = cfg.run_dir / "run.toml"
-    config_path.write_text(tomli_w.dumps(run_config(cfg, model)))
+    config_path.write_text(tomli_w.dumps(run_config(cfg, model, creds)))
     common = ["--config", str(config_path)]
     learner_cpus, rollout_cpus = core_plan(cfg)
     workers = [
@@ -293,6 +317,11 @@ async def run_demo(cfg: DemoSettings) -> int:
         scheduler.start()
         address = await scheduler.wait_ready(cfg.startup_timeout)
         supervisor.add(scheduler)
+        if cfg.metrics:
+            print(
+                "metrics: " + ", ".join(f"{p.tag} {p.metrics_url()}" for p in [*workers, scheduler]),
+                flush=True,
+            )
         status = await follow(address, cfg, supervisor)
     except ServiceFailed as exc:
         print(f"\nerror: {exc}", flush=True)

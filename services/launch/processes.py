@@ -64,6 +64,17 @@ class ServiceProcess:
         return self.run_dir / f"{self.tag}.port"
 
     @property
+    def metrics_port_file(self) -> Path:
+        return self.run_dir / f"{self.tag}.metrics-port"
+
+    def metrics_url(self) -> str:
+        """Where this service's Prometheus metrics are (once it has written its metrics port)."""
+        try:
+            return f"http://127.0.0.1:{int(self.metrics_port_file.read_text())}/metrics"
+        except (OSError, ValueError):
+            return "(no metrics port)"
+
+    @property
     def log_file(self) -> Path:
         return self.run_dir / "logs" / f"{self.tag}.log"
 
@@ -79,6 +90,8 @@ class ServiceProcess:
             str(self.port),
             "--port-file",
             str(self.port_file),
+            "--telemetry.metrics-port-file",  # written only when metrics are on (telemetry.metrics_port)
+            str(self.metrics_port_file),
             *self.args,
         ]
         with self.log_file.open("a" if self.starts else "w") as log:

@@ -235,6 +235,14 @@ class Learner:
 
     # ------------------------------------------------------------------ state
 
+    def metrics_snapshot(self) -> tuple[int, int, dict[str, float]] | None:
+        """(step, weight version, last step's metrics) for /metrics; None while loading."""
+        trainer = self.trainer
+        if trainer is None:
+            return None
+        outcome = trainer.last_outcome
+        return trainer.step, trainer.weight_version, dict(outcome.metrics) if outcome else {}
+
     def state(self) -> LearnerState:
         trainer = self._ready()
         return LearnerState(

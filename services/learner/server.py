@@ -8,10 +8,13 @@ host:port as bound (the skeleton sets `bound_port` before `start()`, so `--port 
 
 from __future__ import annotations
 
+import math
+
 import grpc
 
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.common.serve import run_service, service_names
+from services.common.telemetry import Reading
 from services.learner.config import LearnerSettings
 from services.learner.learner import Learner
 from services.learner.servicer import LearnerServicer
@@ -42,6 +45,26 @@ class LearnerApp:
 
     async def stop(self) -> None:
         await self.learner.stop()
+
+    def metrics_snapshot(self) -> list[Reading]:
+        """Prometheus view (telemetry.py): step, version and the last step's metrics (loss, grad norm,
+        step time, tokens/s, ...) as `grpo_learner_last_step{metric=...}`."""
+        snapshot = self.learner.metrics_snapshot()
+        if snapshot is None:
+            return []
+        step, version, metrics = snapshot
+        readings = [
+            Reading("grpo_learner_step", "Optimizer steps taken.", step),
+            Reading("grpo_learner_weight_version", "Newest weight version.", version),
+        ]
+        readings += [
+            Reading(
+                "grpo_learner_last_step", "The last optimizer step's metrics, by metric.", v, {"metric": k}
+            )
+            for k, v in metrics.items()
+            if math.isfinite(v)
+        ]
+        return readings
 
 
 def main(argv: list[str] | None = None) -> None:

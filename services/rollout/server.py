@@ -11,6 +11,7 @@ import grpc
 
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.serve import run_service, service_names
+from services.common.telemetry import Reading
 from services.rollout.config import RolloutSettings
 from services.rollout.rollout import Rollout
 from services.rollout.servicer import RolloutServicer
@@ -41,6 +42,21 @@ class RolloutApp:
 
     async def stop(self) -> None:
         await self.rollout.stop()
+
+    def metrics_snapshot(self) -> list[Reading]:
+        """Prometheus view (telemetry.py): version, load and generated tokens of this rollout."""
+        state = self.rollout.state()
+        return [
+            Reading("grpo_rollout_weight_version", "Weight version the engine serves.", state.weight_version),
+            Reading("grpo_rollout_staged_version", "Weight version staged for the next commit (-1: none).",
+                    state.staged_version),
+            Reading("grpo_rollout_requests_in_flight", "Generate requests in flight.", state.in_flight),
+            Reading("grpo_rollout_max_in_flight", "Generate requests accepted at once.", state.max_in_flight),
+            Reading("grpo_rollout_completion_tokens", "Completion tokens generated.", state.tokens_generated,
+                    counter=True),
+            Reading("grpo_rollout_ready", "1 when serving requests (not loading, updating or draining).",
+                    1.0 if state.status.value == "ready" else 0.0),
+        ]  # fmt: skip
 
 
 def freeze_heap() -> None:

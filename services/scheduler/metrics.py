@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Histogram
+
 from services.scheduler.clients import ScoredGroup, StepResult
 from services.scheduler.weight_sync import SyncResult
 
@@ -27,6 +29,35 @@ REQUIRED_KEYS = (
 
 
 STEP_RATE_WINDOW_S = 60.0
+
+# Per-step Prometheus histograms (the gauges come from SchedulerApp.metrics_snapshot).
+SYNC_SECONDS = Histogram(
+    "grpo_scheduler_sync_seconds",
+    "Weight sync duration after each step, by phase (prepare, stage, commit, total).",
+    ["phase"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+TRAIN_SECONDS = Histogram(
+    "grpo_scheduler_train_seconds",
+    "TrainStep duration as the scheduler saw it.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180, 600),
+)
+STALENESS = Histogram(
+    "grpo_scheduler_group_staleness",
+    "Versions between a trained group's oldest token and the step that trained it.",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+)
+
+
+def observe_step(record: dict[str, Any], staleness: Sequence[int]) -> None:
+    """Feed one step row into the histograms."""
+    for phase in ("prepare", "stage", "commit"):
+        SYNC_SECONDS.labels(phase).observe(record.get(f"sync_{phase}_ms", 0.0) / 1e3)
+    SYNC_SECONDS.labels("total").observe(record.get("sync_ms", 0.0) / 1e3)
+    if "train_ms" in record:
+        TRAIN_SECONDS.observe(record["train_ms"] / 1e3)
+    for value in staleness:
+        STALENESS.observe(value)
 
 
 class MetricsLog:

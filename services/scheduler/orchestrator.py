@@ -41,7 +41,7 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.evaluation import Evaluator
 from services.scheduler.groups import GroupPipeline, patiently
 from services.scheduler.ledger import GroupLedger, GroupState
-from services.scheduler.metrics import MetricsLog, step_record
+from services.scheduler.metrics import MetricsLog, observe_step, step_record
 from services.scheduler.policy import build_train_batch
 from services.scheduler.recovery import LOST_LINEAGE, LedgerMismatch, RecoveryPlan, plan_recovery
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
@@ -393,6 +393,7 @@ class Orchestrator:
                     record["eval_error"] = str(exc)
             assert self._metrics is not None
             self._metrics.write(record)
+            observe_step(record, staleness)
             log.info(
                 "step",
                 step=self.step,

@@ -14,6 +14,7 @@ import grpc
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.logging import get_logger
 from services.common.serve import run_service, service_names
+from services.common.telemetry import Reading
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.grpc_clients import GrpcEnvClient, GrpcLearnerClient, GrpcRolloutClient
 from services.scheduler.orchestrator import Orchestrator
@@ -73,6 +74,49 @@ class SchedulerApp:
             self.run_task.cancel()
             await asyncio.gather(self.run_task, return_exceptions=True)
         await asyncio.gather(self.pool.close(), self.env.close(), self.learner.close())
+
+    def metrics_snapshot(self) -> list[Reading]:
+        """Prometheus view (telemetry.py), from the same status GetStatus reports."""
+        s = self.orchestrator.status()
+        readings = [
+            Reading("grpo_scheduler_step", "Optimizer steps done.", s.step),
+            Reading("grpo_scheduler_learner_version", "The learner's weight version.", s.learner_version),
+            Reading("grpo_scheduler_paused", "1 while paused.", float(s.paused)),
+            Reading("grpo_scheduler_reward_mean", "Mean reward of the last step's batch.", s.reward_mean),
+            Reading("grpo_scheduler_loss", "The learner's loss at the last step.", s.loss),
+            Reading("grpo_scheduler_steps_per_second", "Steps per second over the last minute.",
+                    s.steps_per_second),
+            Reading("grpo_scheduler_tokens_per_second", "Completion tokens per second (last step).",
+                    s.tokens_per_second),
+            Reading("grpo_scheduler_logprob_abs_diff_max",
+                    "Max |learner - rollout| logprob at the last alignment probe.", s.logprob_abs_diff_max),
+            Reading("grpo_scheduler_staleness_mean", "Mean staleness of the groups trained so far.",
+                    s.staleness_mean),
+        ]  # fmt: skip
+        readings += [
+            Reading("grpo_scheduler_queue_depth", "Queue depth, by queue.", depth, {"queue": queue})
+            for queue, depth in s.queue_depths.items()
+        ]
+        readings += [
+            Reading(
+                "grpo_scheduler_groups",
+                "Groups by lifecycle state (issued = in flight).",
+                n,
+                {"state": state},
+            )
+            for state, n in s.groups_by_state.items()
+        ]
+        for r in s.rollouts:
+            labels = {"rollout": r.rollout_id or r.address}
+            readings += [
+                Reading("grpo_scheduler_rollout_healthy", "1 when the rollout answers and is ready.",
+                        float(r.healthy), labels),
+                Reading("grpo_scheduler_rollout_version", "Weight version each rollout serves.",
+                        r.weight_version, labels),
+                Reading("grpo_scheduler_rollout_in_flight", "Groups in flight on each rollout.",
+                        r.in_flight, labels),
+            ]  # fmt: skip
+        return readings
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -156,6 +156,10 @@ async def test_a_train_step_with_a_wrong_token_changes_nothing(
             with pytest.raises(grpc.aio.AioRpcError) as err:  # with the token it reaches validation
                 await stub.TrainStep(learner_pb2.TrainStepRequest(), timeout=T)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # streaming calls carry the token too
+                async for _ in stub.FetchWeights(learner_pb2.FetchWeightsRequest(version=99), timeout=T):
+                    pass
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         await running.close()
 

@@ -10,6 +10,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.advantages import AdvantageMode
 from services.common.config import ServiceSettings
+from services.scheduler.tracking import TrackingSettings
 from services.transports import TransportKind
 from services.transports.kinds import ImplementedTransport
 
@@ -143,6 +144,9 @@ class SchedulerSettings(ServiceSettings):
     )
     sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="Training sampling.")
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings, description="Client-call deadlines.")
+    tracking: TrackingSettings = Field(
+        default_factory=TrackingSettings, description="TensorBoard and Weights & Biases curves of the run."
+    )
     recovery: RecoverySettings = Field(
         default_factory=RecoverySettings, description="Ledger writes and peer restarts."
     )

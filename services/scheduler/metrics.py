@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import Histogram
 
 from services.scheduler.clients import ScoredGroup, StepResult
+from services.scheduler.tracking import Tracker
 from services.scheduler.weight_sync import SyncResult
 
 REQUIRED_KEYS = (
@@ -71,12 +72,15 @@ class MetricsLog:
         self.last_record: dict[str, Any] = {}  # the newest step row this process wrote
         self._step_times: deque[float] = deque(maxlen=10_000)  # monotonic time of each step row
         self._file = self.path.open("a", encoding="utf-8")
+        self.tracker: Tracker | None = None  # TensorBoard / W&B (tracking.py), set once the run is known
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         clean.setdefault("time", time.time())
         self._file.write(json.dumps(clean, sort_keys=True) + "\n")
         self._file.flush()
+        if self.tracker is not None:
+            self.tracker.log(clean)
         if "reward_mean" in record and "event" not in record:
             self.last_step = max(self.last_step, int(record["step"]))
             self.last_record = record
@@ -92,6 +96,8 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def _last_step(path: Path) -> int:

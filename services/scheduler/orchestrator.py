@@ -47,6 +47,7 @@ from services.scheduler.recovery import LOST_LINEAGE, LedgerMismatch, RecoveryPl
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
 from services.scheduler.status import RolloutStatus, SchedulerStatus
 from services.scheduler.store import BatchRow, LedgerStore, Snapshot, new_run_id
+from services.scheduler.tracking import Tracker
 from services.scheduler.weight_sync import AlignmentError, SyncResult, WeightSyncer
 
 log = get_logger(__name__)
@@ -82,6 +83,7 @@ class Orchestrator:
         self.advantage_mode = settings.advantage_mode
         self._metrics: MetricsLog | None = None  # opened when the run starts
         self._born = time.monotonic()
+        self.run_id = ""  # the ledger's, once the run is prepared
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -92,6 +94,12 @@ class Orchestrator:
         try:
             snapshot = await self.store.open()
             await self._prepare(snapshot)
+            self._metrics.tracker = Tracker(
+                self.settings.run_dir,
+                self.settings.tracking,
+                run_name=f"grpo-{self.run_id}",
+                config=self.settings.model_dump(mode="json", exclude={"security"}),
+            )
             background = [
                 asyncio.create_task(self.groups.feed(), name="feeder"),
                 asyncio.create_task(self.groups.dispatch(), name="dispatcher"),
@@ -131,12 +139,13 @@ class Orchestrator:
         if self.advantage_mode == "auto":
             self.advantage_mode = MODE_FOR_LOSS.get(state.loss, AdvantageMode.group_std)
         resumed = not snapshot.empty
+        self.run_id = snapshot.meta.get("run_id") or new_run_id()
         if resumed:
             await self._resume(snapshot, state)
         else:
             cfg = self.settings
             self.store.set_meta(
-                run_id=new_run_id(),
+                run_id=self.run_id,
                 lineage_id=state.lineage_id,
                 group_size=cfg.group_size,
                 groups_per_batch=cfg.groups_per_batch,

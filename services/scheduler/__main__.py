@@ -1,4 +1,5 @@
-"""`python -m services.scheduler [--flags]` serves; `... audit RUN_DIR` checks a run's ledger."""
+"""`python -m services.scheduler [--flags]` serves; `... audit RUN_DIR` checks a run's ledger;
+`... status [--watch]` shows a running one (status_view.py)."""
 
 import sys
 
@@ -7,6 +8,10 @@ if __name__ == "__main__":
         from services.scheduler.audit import main as audit
 
         sys.exit(audit(sys.argv[2:]))
+    if sys.argv[1:2] == ["status"]:
+        from services.scheduler.status_view import main as status
+
+        sys.exit(status(sys.argv[2:]))
     from services.scheduler.server import main
 
     main()

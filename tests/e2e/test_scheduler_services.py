@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.clients import open_channel
@@ -77,6 +81,7 @@ def _scheduler_settings(
         health_interval_seconds=0.3,
         sampling={"max_tokens": 4},
         timeouts={"generate": 60, "weight_sync": 60, "control": 10, "score": 30, "connect": 30},
+        telemetry={"metrics_port": 0},
     )
 
 
@@ -119,9 +124,42 @@ async def test_run_status_and_bad_requests(tiny_model_dir: Path, tmp_path: Path)
                 await stub.RegisterWorker(bad, timeout=5)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert (await stub.GetStatus(scheduler_pb2.GetStatusRequest(), timeout=5)).finished  # still serving
+
+        # what an operator sees: the status fields, the terminal view, /metrics and TensorBoard
+        assert status.weight_transport == "shared_memory" and status.uptime_seconds > 0
+        assert status.reward_mean == rows[-1]["reward_mean"] and status.last_sync.total_ms > 0
+        view = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.scheduler", "status", "--address", scheduler.address,
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "COLUMNS": "160"},
+        )  # fmt: skip
+        shown = (await asyncio.wait_for(view.communicate(), 60))[0].decode()
+        assert view.returncode == 0, shown
+        assert "3/3 (100%)" in shown and "finished" in shown and "r0" in shown and "shared_memory" in shown
+        metrics = await asyncio.to_thread(_scrape, scheduler.metrics_port)
+        assert (
+            'grpo_rpc_total{code="OK",method="GetStatus",service="grpo.scheduler.v1.SchedulerService"}'
+            in metrics
+        )
+        for line in (
+            "grpo_scheduler_step 3.0",
+            "grpo_scheduler_learner_version 3.0",
+            'grpo_scheduler_groups{state="trained"} 12.0',
+        ):
+            assert line in metrics, line
+        assert 'grpo_scheduler_sync_seconds_count{phase="total"} 3.0' in metrics
+        assert "grpo_event_loop_lag_seconds_bucket" in metrics
+        events = EventAccumulator(str(tmp_path / "tensorboard"))
+        events.Reload()
+        assert [e.step for e in events.Scalars("train/reward_mean")] == [1, 2, 3]
     finally:
         await channel.close()
         await _close_all(scheduler, *rollouts, learner, env)
+
+
+def _scrape(port: int | None) -> str:
+    assert port is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
 
 
 async def test_run_survives_a_dead_rollout(tiny_model_dir: Path, tmp_path: Path) -> None:

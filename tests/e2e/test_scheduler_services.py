@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import urllib.request
 from pathlib import Path
@@ -146,7 +147,9 @@ async def test_run_status_and_bad_requests(tiny_model_dir: Path, tmp_path: Path)
             'grpo_scheduler_groups{state="trained"} 12.0',
         ):
             assert line in metrics, line
-        assert 'grpo_scheduler_sync_seconds_count{phase="total"} 3.0' in metrics
+        # histograms are per process (earlier tests in this one observed steps too): at least ours
+        synced = re.search(r'grpo_scheduler_sync_seconds_count\{phase="total"\} ([0-9.]+)', metrics)
+        assert synced is not None and float(synced.group(1)) >= 3
         assert "grpo_event_loop_lag_seconds_bucket" in metrics
         events = EventAccumulator(str(tmp_path / "tensorboard"))
         events.Reload()

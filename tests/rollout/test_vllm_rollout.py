@@ -125,7 +125,7 @@ async def check_policy(stub, model, version: int, text: str = "12+34=") -> None:
 async def stage_shared_memory(stub, packed: Packed, version: int, before_commit=None):
     """Stage + commit `packed` as `version` through a shared-memory segment we own
     (`before_commit`: awaited between the two phases)."""
-    name = f"grpo_test_{uuid.uuid4().hex[:10]}"
+    name = f"grpo_{uuid.uuid4().hex[:8]}_v{version}"  # the shape a learner publishes (the rollout checks it)
     segment = packed.to_segment(name)
     try:
         wv = packed.weight_version(version)

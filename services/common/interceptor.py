@@ -12,6 +12,7 @@ client and reads like a server fault.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -106,49 +107,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             observe(code)
             await context.abort(code, message)
 
-        if handler.unary_unary:
-            inner = handler.unary_unary
-
-            async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-                try:
-                    response = await inner(admit(raw), context)
-                except asyncio.CancelledError:
-                    observe(grpc.StatusCode.CANCELLED)
-                    raise
-                except grpc.aio.AbortError:
-                    observe(context.code() or grpc.StatusCode.UNKNOWN)
-                    raise
-                except Exception as exc:
-                    await fail(context, exc)
-                observe(grpc.StatusCode.OK)
-                return response
-
-            return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
-
-        inner_stream = handler.unary_stream
-        if not inspect.isasyncgenfunction(inner_stream):
-            # a streaming handler that writes with context.write (e.g. grpc.health.v1 Watch)
-            async def unary_stream_writer(raw: bytes, context: grpc.aio.ServicerContext) -> None:
-                try:
-                    await inner_stream(admit(raw), context)
-                except asyncio.CancelledError:
-                    observe(grpc.StatusCode.CANCELLED)
-                    raise
-                except grpc.aio.AbortError:
-                    observe(context.code() or grpc.StatusCode.UNKNOWN)
-                    raise
-                except Exception as exc:
-                    await fail(context, exc)
-                observe(grpc.StatusCode.OK)
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream_writer, None, handler.response_serializer
-            )
-
-        async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        @contextlib.asynccontextmanager
+        async def answered(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+            """Around the servicer: record how the call ended; map an exception to its status."""
             try:
-                async for item in inner_stream(admit(raw), context):
-                    yield item
+                yield
             except asyncio.CancelledError:
                 observe(grpc.StatusCode.CANCELLED)
                 raise
@@ -158,5 +121,30 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:
                 await fail(context, exc)
             observe(grpc.StatusCode.OK)
+
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                async with answered(context):
+                    return await inner(admit(raw), context)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
+
+        inner_stream = handler.unary_stream
+        if not inspect.isasyncgenfunction(inner_stream):
+            # a streaming handler that writes with context.write (e.g. grpc.health.v1 Watch)
+            async def unary_stream_writer(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+                async with answered(context):
+                    await inner_stream(admit(raw), context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream_writer, None, handler.response_serializer
+            )
+
+        async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with answered(context):
+                async for item in inner_stream(admit(raw), context):
+                    yield item
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, None, handler.response_serializer)

@@ -20,8 +20,6 @@ MAX_TEMPERATURE = 2.0
 # ... and silently raises temperatures below 0.01 to 0.01 (logits / T overflows below it): a request
 # at 0.001 would be sampled at 0.01 while its logprobs claim 0.001. Refused instead.
 MIN_TEMPERATURE = 0.01
-# ids, worker names, request ids: printable ASCII without spaces or quotes
-_ID = re.compile(r"[A-Za-z0-9._:@/+=-]+")
 # host:port, host a DNS name, an IPv4 address or a bracketed IPv6 address
 _HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\])"
 _ADDRESS = re.compile(_HOST + r":(\d{1,5})")
@@ -47,28 +45,20 @@ def temperature(value: float, field: str, maximum: float = MAX_TEMPERATURE) -> f
     return value
 
 
-def identifier(value: str, field: str, max_len: int = 256, required: bool = True) -> str:
-    """An id or name: at most `max_len` characters of [A-Za-z0-9._:@/+=-]."""
+def _present(value: str, field: str, max_len: int, required: bool) -> bool:
+    """False for an allowed empty value; InvalidArgument for a missing or over-long one."""
     if not value:
         if required:
             raise InvalidArgument(f"{field} is empty")
-        return value
+        return False
     if len(value) > max_len:
         raise InvalidArgument(f"{field} is {len(value)} characters long (max {max_len}): {quoted(value)}")
-    if not _ID.fullmatch(value):
-        raise InvalidArgument(f"{field} may hold only letters, digits and ._:@/+=-, got {quoted(value)}")
-    return value
+    return True
 
 
 def text_id(value: str, field: str, max_len: int = 256, required: bool = True) -> str:
     """An id that is only echoed back or logged (prompt and request ids): bounded, no control chars."""
-    if not value:
-        if required:
-            raise InvalidArgument(f"{field} is empty")
-        return value
-    if len(value) > max_len:
-        raise InvalidArgument(f"{field} is {len(value)} characters long (max {max_len}): {quoted(value)}")
-    if not value.isprintable():
+    if _present(value, field, max_len, required) and not value.isprintable():
         raise InvalidArgument(f"{field} contains control characters: {quoted(value)}")
     return value
 

@@ -4,7 +4,8 @@ the rollout while it generates, the learner between/inside steps, the scheduler 
 sync, the env while it scores. The launcher must restart each, the run must reach its last step and
 exit 0, `metrics.jsonl` must advance one version per step (a learner rewind says so in its own
 row), the audit of the ledger must pass with exactly STEPS steps, and nothing the services started
-may outlive them (the killed rollout's vLLM engine processes included).
+may outlive them (the killed rollout's vLLM engine processes included). The run has mutual TLS and
+bearer tokens on (`--secure true`): restarted services rejoin under them.
 
 The kill points are step counts read from `metrics.jsonl`, so which phase each kill hits varies a
 little from run to run; every phase is exercised by the deterministic tests in tests/scheduler/.
@@ -62,7 +63,7 @@ def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: 
     command = [
         sys.executable, "-m", "services.launch", "demo", "--steps", str(STEPS), "--run-dir", str(run_dir),
         "--model", str(warm_model_dir), "--engine", "vllm", "--eval-every", "0", "--groups-per-batch", "8",
-        "--checkpoint-every", "4",
+        "--checkpoint-every", "4", "--secure", "true",  # restarts under mutual TLS + tokens
     ]  # fmt: skip
     log = (tmp_path / "launcher.log").open("w")
     launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -127,4 +128,5 @@ def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: 
     assert int(counts["steps"]) == STEPS and int(counts["batches"]) == STEPS
     assert int(counts["groups_trained"]) == STEPS * 8
     assert int(counts["scheduler_starts"]) == 2 and int(counts["learner_restarts"]) == 1
+    assert "security: mutual TLS + bearer token" in output
     print(output[-3000:], audit.stdout, killed)

@@ -94,11 +94,14 @@ class Orchestrator:
         try:
             snapshot = await self.store.open()
             await self._prepare(snapshot)
-            self._metrics.tracker = Tracker(
-                self.settings.run_dir,
-                self.settings.tracking,
-                run_name=f"grpo-{self.run_id}",
-                config=self.settings.model_dump(mode="json", exclude={"security"}),
+            self._metrics.tracker = (
+                await asyncio.to_thread(  # opens files; W&B online may wait on the network
+                    Tracker,
+                    self.settings.run_dir,
+                    self.settings.tracking,
+                    run_name=f"grpo-{self.run_id}",
+                    config=self.settings.model_dump(mode="json", exclude={"security"}),
+                )
             )
             background = [
                 asyncio.create_task(self.groups.feed(), name="feeder"),

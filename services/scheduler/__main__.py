@@ -1,5 +1,5 @@
 """`python -m services.scheduler [--flags]` serves; `... audit RUN_DIR` checks a run's ledger;
-`... status [--watch]` shows a running one (status_view.py)."""
+`... status [--address HOST:PORT | --run-dir DIR] [--watch]` shows a running one (status_view.py)."""
 
 import sys
 

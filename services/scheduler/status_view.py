@@ -1,14 +1,18 @@
 """`python -m services.scheduler status`: a run at a glance in the terminal, from GetStatus.
 
-    python -m services.scheduler status --address 127.0.0.1:50050           # once
-    python -m services.scheduler status --run-dir runs/demo --watch         # live, until Ctrl-C
+    python -m services.scheduler status                                   # once, $GRPO_SCHEDULER_ADDRESS
+    python -m services.scheduler status --address 127.0.0.1:50050         # once
+    python -m services.scheduler status --run-dir runs/demo --watch       # live, until Ctrl-C
+    python -m services.scheduler status --watch --until-finished          # live, until the run ends
 
-One table for the run (step, versions, rates, reward, loss, staleness, alignment, last sync phases,
-errors), one for queues and groups, one for the rollouts (version, load, health; a rollout behind
-the learner is shown in yellow, an unhealthy one in red). `--run-dir` finds the scheduler through
-the port file the launcher writes (`<run_dir>/scheduler.port`) and uses the run's TLS material and
-token when `make demo ARGS="--secure true"` made them (`<run_dir>/tls/`). Exit codes: 0 shown (or
-the run finished, with --until-finished), 1 the run failed, 2 the scheduler is unreachable.
+One table for the run (state, step/max, learner version, rates, reward, loss, staleness, alignment,
+the last sync's phases, uptime, the error if it failed), one for queues and groups, one for the
+rollouts (version, load, health; a rollout behind the learner is yellow, an unhealthy one red).
+`render` is pure, so tests render it to text. `--run-dir` finds the scheduler through the port file
+the launcher writes (`<run_dir>/scheduler.port`) and, when the run's config (`<run_dir>/run.toml`)
+has a `[security]` table (`make demo ARGS="--secure true"`), dials with its TLS material, the
+operator's client certificate and the token. Exit codes: 0 shown (with --until-finished: the run
+finished), 1 the run failed, 2 the scheduler could not be asked (unreachable, refused, misconfigured).
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import argparse
 import asyncio
 import os
 import sys
+import tomllib
 from pathlib import Path
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -29,27 +34,60 @@ from services.common.clients import GrpcClient
 from services.common.errors import GrpoError
 from services.common.security import ClientSecurity, SecuritySettings
 
-DEFAULT_ADDRESS = "127.0.0.1:50050"  # the scheduler's port in compose and the docs
+ADDRESS_ENV = "GRPO_SCHEDULER_ADDRESS"
+# The scheduler binds a free port unless told (--port, default 0); 50050 is the one compose, the
+# README and docs/operations.md give it, so the default reaches a `docker compose up` run.
+DEFAULT_ADDRESS = "127.0.0.1:50050"
+
+Status = scheduler_pb2.GetStatusResponse
 
 
-def _duration(seconds: float) -> str:
+# ---- pure formatting ---------------------------------------------------------------------------
+
+
+def duration(seconds: float) -> str:
+    """3725 → "1h02m05s", 65 → "1m05s"."""
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
-def run_table(s: scheduler_pb2.GetStatusResponse, address: str) -> Table:
+def progress(step: int, max_steps: int) -> str:
+    """ "12/40 (30%)", or "12 (until stopped)" when the run has no max_steps."""
+    return f"{step}/{max_steps} ({step / max_steps:.0%})" if max_steps > 0 else f"{step} (until stopped)"
+
+
+def run_state(s: Status) -> Text:
+    """failed (red) > finished (green) > paused (yellow) > training: a failed run also reads finished."""
+    if s.error:
+        return Text("failed", style="bold red")
+    if s.finished:
+        return Text("finished", style="green")
+    return Text("paused", style="yellow") if s.paused else Text("training")
+
+
+def sync_phases(s: Status) -> str:
+    sync = s.last_sync
+    if sync.total_ms <= 0:
+        return f"none yet (transport {s.weight_transport or '?'})"
+    return (
+        f"{sync.total_ms:.1f} ms (prepare {sync.prepare_ms:.1f} · stage {sync.stage_ms:.1f} · "
+        f"commit {sync.commit_ms:.1f}) via {s.weight_transport or '?'}"
+    )
+
+
+def rollout_style(r: scheduler_pb2.RolloutLoad, learner_version: int) -> str:
+    """red: not answering; yellow: serving weights older than the learner's; plain otherwise."""
+    return "red" if not r.healthy else "yellow" if r.weight_version < learner_version else ""
+
+
+def run_table(s: Status, address: str) -> Table:
     table = Table(title=f"grpo-mesh run @ {address}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    progress = f"{s.step}/{s.max_steps} ({s.step / s.max_steps:.0%})" if s.max_steps else f"{s.step}"
-    state = (
-        "[red]failed[/]" if s.error else "finished" if s.finished else "paused" if s.paused else "training"
-    )
-    sync = s.last_sync
-    rows = [
-        ("state", state),
-        ("step", progress),
+    rows: list[tuple[str, str | Text]] = [
+        ("state", run_state(s)),
+        ("step", progress(s.step, s.max_steps)),
         ("learner version", str(s.learner_version)),
         ("steps/s", f"{s.steps_per_second:.2f}"),
         ("tokens/s", f"{s.tokens_per_second:.0f}"),
@@ -57,21 +95,17 @@ def run_table(s: scheduler_pb2.GetStatusResponse, address: str) -> Table:
         ("loss (last step)", f"{s.loss:.5f}"),
         ("staleness (mean)", f"{s.staleness_mean:.2f}"),
         ("alignment |Δ logprob|", f"{s.logprob_abs_diff_max:.2e}"),
-        (
-            "last sync",
-            f"{sync.total_ms:.1f} ms (prepare {sync.prepare_ms:.1f} · stage {sync.stage_ms:.1f} · "
-            f"commit {sync.commit_ms:.1f}) via {s.weight_transport or '?'}",
-        ),
-        ("uptime", _duration(s.uptime_seconds)),
+        ("last sync", sync_phases(s)),
+        ("uptime", duration(s.uptime_seconds)),
     ]
+    if s.error:
+        rows.append(("error", Text(s.error, style="red")))
     for name, value in rows:
         table.add_row(name, value)
-    if s.error:
-        table.add_row("error", Text(s.error, style="red"))
     return table
 
 
-def queue_table(s: scheduler_pb2.GetStatusResponse) -> Table:
+def queue_table(s: Status) -> Table:
     table = Table(title="queues and groups", title_justify="left")
     table.add_column("name")
     table.add_column("count", justify="right")
@@ -82,78 +116,114 @@ def queue_table(s: scheduler_pb2.GetStatusResponse) -> Table:
     return table
 
 
-def rollout_table(s: scheduler_pb2.GetStatusResponse) -> Table:
-    table = Table(title=f"rollouts ({len(s.rollouts)})", title_justify="left")
+def rollout_table(s: Status) -> Table:
+    behind = sum(1 for r in s.rollouts if r.weight_version < s.learner_version)
+    down = sum(1 for r in s.rollouts if not r.healthy)
+    title = f"rollouts ({len(s.rollouts)}; {behind} behind, {down} unhealthy)"
+    table = Table(title=title, title_justify="left")
     for column in ("rollout", "address", "version", "load", "healthy"):
-        table.add_column(column)
+        table.add_column(column, justify="right" if column in ("version", "load") else "left")
     for r in s.rollouts:
-        style = "red" if not r.healthy else "yellow" if r.weight_version != s.learner_version else ""
+        lag = s.learner_version - r.weight_version
         table.add_row(
             r.rollout_id or "?",
             r.address,
-            str(r.weight_version),
+            f"{r.weight_version} (-{lag})" if lag > 0 else str(r.weight_version),
             f"{r.in_flight}/{r.max_in_flight}",
             "✓" if r.healthy else "✗",
-            style=style,
+            style=rollout_style(r, s.learner_version),
         )
     return table
 
 
-def render(status: scheduler_pb2.GetStatusResponse, address: str) -> Group:
-    """The whole view (pure: tests render it to text)."""
+def render(status: Status, address: str) -> Group:
+    """The whole view of one GetStatus answer (pure)."""
     return Group(run_table(status, address), queue_table(status), rollout_table(status))
 
 
-def _client(address: str, run_dir: Path | None) -> GrpcClient:
-    """The one place the view's client is built: with the run's TLS and token when it has them."""
-    security = None
-    tls = run_dir / "tls" if run_dir is not None else None
-    if tls is not None and (tls / "ca.pem").exists():
-        security = ClientSecurity.from_settings(
-            SecuritySettings(
-                tls_ca=tls / "ca.pem",
-                client_cert=tls / "operator.pem",
-                client_key=tls / "operator.key",
-                token_file=tls / "token",
-            )
-        )
-    return GrpcClient(address, scheduler_pb2_grpc.SchedulerServiceStub, security=security)
+def unreachable(address: str, error: str, last: Status | None) -> RenderableType:
+    """Watch mode's view while the scheduler does not answer: a red line above the last view seen."""
+    line = Text(f"scheduler {address} unreachable: {error} (retrying)", style="bold red")
+    return line if last is None else Group(line, render(last, address))
 
 
-async def fetch(client: GrpcClient, timeout: float) -> scheduler_pb2.GetStatusResponse:  # noqa: ASYNC109
-    return await client.unary("GetStatus", scheduler_pb2.GetStatusRequest(), timeout)
+def _reason(exc: BaseException, address: str) -> str:
+    """A failure as one line, without the address the caller names anyway."""
+    return " ".join(str(exc).removeprefix(f"{address}: ").split()) or type(exc).__name__
+
+
+# ---- finding and asking the scheduler ------------------------------------------------------------
+
+
+def resolve_address(address: str, run_dir: Path | None) -> str:
+    """--address, else the run dir's port file, else $GRPO_SCHEDULER_ADDRESS, else DEFAULT_ADDRESS."""
+    if address:
+        return address
+    if run_dir is not None:
+        port_file = run_dir / "scheduler.port"
+        port = port_file.read_text().strip() if port_file.exists() else ""
+        if not port:
+            raise FileNotFoundError(f"no scheduler port in {port_file} (is the run's scheduler up?)")
+        return f"127.0.0.1:{port}"
+    return os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+
+
+def _run_security(run_dir: Path | None) -> ClientSecurity | None:
+    """The run's `[security]` table (run.toml), presenting the operator certificate; None = plaintext
+    (or the process default). The config, not the tls/ folder, decides: a later plain run may reuse
+    a run dir where an earlier secure one left certificates."""
+    config = run_dir / "run.toml" if run_dir is not None else None
+    if config is None or not config.exists():
+        return None
+    table = tomllib.loads(config.read_text()).get("security")
+    if not table:
+        return None
+    tls = Path(table.get("tls_ca") or run_dir / "tls" / "ca.pem").parent
+    if (tls / "operator.pem").exists() and (tls / "operator.key").exists():
+        table = {**table, "client_cert": tls / "operator.pem", "client_key": tls / "operator.key"}
+    return ClientSecurity.from_settings(SecuritySettings(**table))
+
+
+def _client(address: str, run_dir: Path | None = None) -> GrpcClient:
+    """The one place the view's client is built (TLS and token of a --run-dir that has them)."""
+    return GrpcClient(address, scheduler_pb2_grpc.SchedulerServiceStub, security=_run_security(run_dir))
+
+
+async def fetch(client: GrpcClient, timeout: float) -> Status:  # noqa: ASYNC109 (the call's deadline)
+    """One GetStatus under a deadline; a failure raises the domain error (errors.py)."""
+    return await client.unary("GetStatus", scheduler_pb2.GetStatusRequest(), timeout=timeout)
 
 
 async def _watch(client: GrpcClient, address: str, args: argparse.Namespace, console: Console) -> int:
-    with Live(Text(f"connecting to {address} ..."), console=console, refresh_per_second=4) as live:
+    """Refresh every --interval until Ctrl-C (the caller's 0) or, with --until-finished, the run's end."""
+    last: Status | None = None
+    with Live(Text(f"asking {address} ..."), console=console, auto_refresh=False) as live:
         while True:
             try:
-                status = await fetch(client, args.timeout)
-                live.update(render(status, address))
-                if args.until_finished and (status.finished or status.error):
-                    return 1 if status.error else 0
+                last = await fetch(client, args.timeout)
+                live.update(render(last, address), refresh=True)
+                if args.until_finished and (last.finished or last.error):
+                    return 1 if last.error else 0
             except GrpoError as exc:
-                live.update(Text(f"scheduler {address} unreachable: {exc} (retrying)", style="red"))
+                live.update(unreachable(address, _reason(exc, address), last), refresh=True)
             await asyncio.sleep(args.interval)
 
 
 async def _main(args: argparse.Namespace, console: Console) -> int:
-    address = args.address
-    if args.run_dir is not None and not address:
-        port_file = args.run_dir / "scheduler.port"
-        if not port_file.exists():
-            print(f"error: no scheduler port file in {args.run_dir}", file=sys.stderr)
-            return 2
-        address = f"127.0.0.1:{port_file.read_text().strip()}"
-    address = address or os.environ.get("GRPO_SCHEDULER_ADDRESS", DEFAULT_ADDRESS)
-    client = _client(address, args.run_dir)
+    try:
+        address = resolve_address(args.address, args.run_dir)
+        client = _client(address, args.run_dir)
+    except (OSError, ValueError, tomllib.TOMLDecodeError) as exc:  # port file, run.toml, TLS files
+        print(f"status: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     try:
         if args.watch:
             return await _watch(client, address, args, console)
         try:
             status = await fetch(client, args.timeout)
         except GrpoError as exc:
-            print(f"error: scheduler {address} unreachable: {exc}", file=sys.stderr)
+            what = "is unreachable" if exc.unreachable else "refused GetStatus"
+            print(f"status: the scheduler at {address} {what}: {_reason(exc, address)}", file=sys.stderr)
             return 2
         console.print(render(status, address))
         return 1 if status.error else 0
@@ -165,15 +235,26 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m services.scheduler status", description="A run at a glance, from GetStatus."
     )
-    parser.add_argument("--address", default="", help="scheduler host:port (default $GRPO_SCHEDULER_ADDRESS)")
     parser.add_argument(
-        "--run-dir", type=Path, default=None, help="find the scheduler (and TLS) of a demo run"
+        "--address",
+        default="",
+        help=f"scheduler host:port (default: --run-dir's, else ${ADDRESS_ENV}, else {DEFAULT_ADDRESS})",
+    )
+    parser.add_argument(
+        "--run-dir", type=Path, default=None, help="a launcher run dir: its scheduler port, TLS and token"
     )
     parser.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
-    parser.add_argument("--until-finished", action="store_true", help="with --watch: stop when the run ends")
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
-    parser.add_argument("--timeout", type=float, default=5.0, help="deadline of each GetStatus call")
+    parser.add_argument(
+        "--until-finished",
+        action="store_true",
+        help="watch until the run finishes (exit 0) or fails (exit 1); implies --watch",
+    )
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="deadline of each GetStatus (default 5)")
     args = parser.parse_args(argv)
+    args.watch = args.watch or args.until_finished
+    if args.interval <= 0 or args.timeout <= 0:
+        parser.error("--interval and --timeout must be positive")
     try:
         return asyncio.run(_main(args, console or Console()))
     except KeyboardInterrupt:

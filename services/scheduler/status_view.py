@@ -235,22 +235,13 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m services.scheduler status", description="A run at a glance, from GetStatus."
     )
-    parser.add_argument(
-        "--address",
-        default="",
-        help=f"scheduler host:port (default: --run-dir's, else ${ADDRESS_ENV}, else {DEFAULT_ADDRESS})",
-    )
-    parser.add_argument(
-        "--run-dir", type=Path, default=None, help="a launcher run dir: its scheduler port, TLS and token"
-    )
-    parser.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
-    parser.add_argument(
-        "--until-finished",
-        action="store_true",
-        help="watch until the run finishes (exit 0) or fails (exit 1); implies --watch",
-    )
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="deadline of each GetStatus (default 5)")
+    add = parser.add_argument
+    add("--address", default="", help=f"host:port (else --run-dir's, ${ADDRESS_ENV}, {DEFAULT_ADDRESS})")
+    add("--run-dir", type=Path, default=None, help="a launcher run dir: its scheduler port, TLS and token")
+    add("--watch", action="store_true", help="refresh until Ctrl-C")
+    add("--until-finished", action="store_true", help="watch until the run ends (1 if it failed)")
+    add("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    add("--timeout", type=float, default=5.0, help="deadline of each GetStatus (default 5)")
     args = parser.parse_args(argv)
     args.watch = args.watch or args.until_finished
     if args.interval <= 0 or args.timeout <= 0:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -152,8 +153,6 @@ def serve_metrics(settings: TelemetrySettings, default_host: str) -> int | None:
     _servers.append(server)
     port = int(server.server_port)
     if settings.metrics_port_file:
-        from pathlib import Path
-
         path = Path(settings.metrics_port_file)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(str(port))

@@ -126,7 +126,7 @@ class EnvHost:
 
     def workers(self) -> int:
         """Scoring worker processes running now (spares included)."""
-        return len(self._ready().pool._workers)
+        return self._ready().pool.running
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters under "env/" (host counters plus the pool's)."""

@@ -186,6 +186,11 @@ class ScoringPool:
         self._pending = 0
         self._tasks: set[asyncio.Task[list[Score]]] = set()
 
+    @property
+    def running(self) -> int:
+        """Worker processes running now (spares included)."""
+        return len(self._workers)
+
     async def start(self) -> None:
         """Start every worker (they load the environment); raises EnvLoadError if they cannot."""
         workers = await asyncio.gather(

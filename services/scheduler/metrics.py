@@ -86,6 +86,21 @@ class MetricsLog:
             self.last_record = record
             self._step_times.append(time.monotonic())
 
+    def status_fields(self) -> dict[str, Any]:
+        """The GetStatus fields taken from the last step row: reward, loss, rates, sync phases."""
+        last = self.last_record
+        if not last:
+            return {}
+        return {
+            "reward_mean": last["reward_mean"],
+            "loss": last["loss"] if math.isfinite(last["loss"]) else 0.0,
+            "steps_per_second": self.steps_per_second(),
+            "tokens_per_second": last.get("tokens_per_s", 0.0),
+            "sync_ms": tuple(
+                last.get(k, 0.0) for k in ("sync_prepare_ms", "sync_stage_ms", "sync_commit_ms", "sync_ms")
+            ),
+        }
+
     def steps_per_second(self, window: float = STEP_RATE_WINDOW_S) -> float:
         """Step rows written per second over the last `window` seconds (0 with fewer than two)."""
         now = time.monotonic()

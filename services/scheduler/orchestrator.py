@@ -18,7 +18,6 @@ learner that comes back from an older checkpoint is caught up by training the sa
 from __future__ import annotations
 
 import asyncio
-import math
 import statistics
 import time
 import uuid
@@ -550,21 +549,5 @@ class Orchestrator:
             error=self.error,
             weight_transport=self.settings.weight_transport.value,
             uptime_seconds=time.monotonic() - self._born,
-            **_last_step_status(self._metrics),
+            **(self._metrics.status_fields() if self._metrics is not None else {}),
         )
-
-
-def _last_step_status(metrics: MetricsLog | None) -> dict:
-    """The GetStatus fields taken from the last step row: reward, loss, rates, sync phases."""
-    last = metrics.last_record if metrics is not None else {}
-    if not last:
-        return {}
-    return {
-        "reward_mean": last["reward_mean"],
-        "loss": last["loss"] if math.isfinite(last["loss"]) else 0.0,
-        "steps_per_second": metrics.steps_per_second() if metrics is not None else 0.0,
-        "tokens_per_second": last.get("tokens_per_s", 0.0),
-        "sync_ms": tuple(
-            last.get(k, 0.0) for k in ("sync_prepare_ms", "sync_stage_ms", "sync_commit_ms", "sync_ms")
-        ),
-    }

@@ -204,7 +204,10 @@ class LedgerStore:
         groups = [_group_row(r) for r in self._groups.values()]
         prompts, scored, rows = self._prompts, self._scored, self._rows
         self._groups, self._prompts, self._scored, self._rows = {}, [], [], []
-        await self._call(lambda: self._write(groups, prompts, scored, rows))
+        # The rows are off the queues now: a flusher cancelled while waiting (the run ending) must not
+        # cancel their write, or a write still queued on the store's thread would be dropped. The
+        # single-thread executor runs it before `close` closes the database.
+        await asyncio.shield(self._call(lambda: self._write(groups, prompts, scored, rows)))
 
     def _write(
         self,

@@ -24,7 +24,7 @@ from services.scheduler.server import SchedulerApp
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS, GROUPS, G = 6, 4, 4
-DEADLINE = 8.0
+DEADLINE = 20.0  # per join and per bucket; CI's 2 loaded cores missed 8 s joins (three engines start there)
 
 
 def _rows(run_dir: Path) -> list[dict]:

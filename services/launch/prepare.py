@@ -1,0 +1,72 @@
+"""`python -m services.launch prepare --config RUN_CONFIG`: the one-shot step a deployment runs before
+the services start (compose's `init` service): builds the project's tiny model where the run-config's
+`[prepare]` table asks for it, so a run needs no model download.
+
+    [prepare]
+    tiny_model = "/data/models/tiny"   # built here unless it already exists (then a no-op)
+    warm_start_steps = 120             # supervised warm start on the demo task (services/launch/tiny_model.py)
+
+A run-config without `[prepare]` (e.g. one that names a Hugging Face model id) makes this a no-op; the
+services never read the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.common.logging import configure_logging, get_logger
+
+log = get_logger(__name__)
+
+
+class PrepareSettings(BaseModel):
+    """The `[prepare]` table of a run-config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tiny_model: Path | None = Field(
+        None, description="Build the project's tiny model into this directory (kept if it exists)."
+    )
+    warm_start_steps: int = Field(
+        120, ge=0, le=100_000, description="Supervised warm-start steps on the demo task (the demo's default)."
+    )
+
+
+def prepare(settings: PrepareSettings) -> Path | None:
+    """Do what the table asks; returns the tiny model's directory, if one was asked for."""
+    if settings.tiny_model is None:
+        log.info("nothing to prepare")
+        return None
+    from services.launch.tiny_model import build_tiny_model  # torch: only when a model is built
+
+    started = time.perf_counter()
+    existed = (settings.tiny_model / "config.json").exists()
+    path = build_tiny_model(settings.tiny_model, warm_start_steps=settings.warm_start_steps)
+    log.info(
+        "tiny model ready",
+        path=str(path),
+        built=not existed,
+        seconds=round(time.perf_counter() - started, 1),
+    )
+    return path
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.launch prepare", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, required=True, help="the run-config (TOML) with a [prepare] table")
+    args = parser.parse_args(argv)
+    configure_logging(service="prepare")
+    with args.config.open("rb") as handle:
+        table = tomllib.load(handle).get("prepare", {})
+    prepare(PrepareSettings.model_validate(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

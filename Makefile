@@ -3,7 +3,8 @@
 #
 #   make demo [MODEL=smollm2] [STEPS=N] [RUN_DIR=runs/x] [ARGS="..."]   end-to-end run on this machine
 #   make test [PYTEST_ARGS="-m 'not slow'"]             the test suite (CI: .ci/run)
-#   make up [PROFILE=gpu|gpu-nccl]                      the four services in Docker Compose
+#   make up [PROFILE=gpu|gpu-nccl] [GRPO_MESH_CONFIG=tiny.toml]   the four services in Docker Compose
+#   make compose-test                                   build, run, stop and resume the compose deployment
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -19,7 +20,7 @@ PY_DIRS := services tests scripts bench
 # Passed to the launcher only when set, so its own defaults apply otherwise.
 DEMO_FLAGS := $(if $(MODEL),--model $(MODEL)) $(if $(STEPS),--steps $(STEPS)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)
 
-.PHONY: help install demo test proto lint format up clean gpu-check gpu-wheels
+.PHONY: help install demo test proto lint format up compose-test clean gpu-check gpu-wheels
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 10
@@ -54,8 +55,12 @@ gpu-check: ## On an NVIDIA GPU machine: GPU tests, cuda_ipc two-process check, w
 gpu-wheels: ## Download into .whl/ the wheels gpu-check needs on the GPU image (Python 3.12).
 	bash scripts/gpu_wheels.sh
 
-up: ## docker compose up (PROFILE=cpu, PROFILE=gpu, or PROFILE=gpu-nccl with two GPUs).
-	docker compose --profile $(PROFILE) up --build
+up: ## docker compose up --build (PROFILE=cpu|gpu|gpu-nccl; GRPO_MESH_CONFIG=tiny.toml: no model download).
+	PROFILE=$(PROFILE) bash scripts/compose-up.sh $(ARGS)
+
+compose-test: install ## Build, start, grpcurl, train, stop and resume the CPU compose run (needs a Docker daemon).
+	PROFILE=cpu bash scripts/compose-up.sh --prepare-only
+	$(PY) -m pytest -m docker -p no:cacheprovider tests/e2e/test_compose_up.py $(PYTEST_ARGS)
 
 clean: ## Remove caches and build artefacts (keeps .venv and runs/).
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,10 +1,12 @@
-"""docker-compose.yml checked against the code, since no Docker engine runs here.
+"""docker-compose.yml checked against the code, statically (tests/e2e/test_compose_up.py runs it where a
+Docker daemon answers).
 
-Per profile (cpu, gpu) each role runs once; commands name real service modules with the documented
-ports; healthchecks probe the same port for the role's full gRPC service name (and the stub really
-works against a live server); the scheduler waits for the others to be healthy; every GRPO_* variable
-names a settings field and, with the mounted run-config, validates; peer addresses point at real
-services. A role whose `services/<role>/config.py` is not written yet is skipped, saying so.
+Per profile (cpu, gpu, gpu-nccl) each role runs once, after the one-shot `init`; commands name real
+service modules with the documented ports, published on 127.0.0.1; healthchecks probe the same port
+for the role's full gRPC service name (and the stub really works against a live server); the scheduler
+waits for the others to be healthy; every GRPO_* variable names a settings field and, with every
+run-config in docker/configs/, validates; peer addresses point at real services. A role whose
+`services/<role>/config.py` is not written yet is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from services.common.serve import start_server
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]
+ROLES = sorted(n for n in SERVICES if n != "init")  # the compose services that run a gRPC service
+RUN_CONFIGS = sorted(p.name for p in (ROOT / "docker" / "configs").glob("*.toml"))
+INTERPOLATION = re.compile(r"\$\{([A-Z_]+):-([^}]*)\}")
 PORTS = {"scheduler": 50050, "env": 50051, "rollout": 50052, "learner": 50053}  # documented defaults
 PROFILES = ("cpu", "gpu", "gpu-nccl")
 ADDRESS = re.compile(r"^([a-z][a-z0-9-]*):(\d+)$")
@@ -42,15 +47,20 @@ def _role(name: str) -> str:
     return command[2].removeprefix("services.")
 
 
-def _flag(name: str, flag: str) -> str:
+def _expand(value: str, **chosen: str) -> str:
+    """Compose's `${VAR:-default}`, with `chosen` standing in for the host's variables."""
+    return INTERPOLATION.sub(lambda m: chosen.get(m.group(1), m.group(2)), value)
+
+
+def _flag(name: str, flag: str, **chosen: str) -> str:
     command = SERVICES[name]["command"]
     assert command.count(flag) == 1, f"{name}: {flag} must appear once in {command}"
-    return command[command.index(flag) + 1]
+    return _expand(command[command.index(flag) + 1], **chosen)
 
 
 def _active(profile: str) -> dict[str, str]:
     """role -> compose service for the services a profile starts."""
-    return {_role(n): n for n, s in SERVICES.items() if profile in s.get("profiles", [profile])}
+    return {_role(n): n for n in ROLES if profile in SERVICES[n].get("profiles", [profile])}
 
 
 def _health_service_name(role: str) -> str:
@@ -78,11 +88,14 @@ def _mounts(name: str) -> dict[str, str]:
     return {m.split(":")[1]: m.split(":")[0] for m in SERVICES[name]["volumes"]}
 
 
-def _run_config(name: str) -> Path:
-    """The host file mounted where the service's --config points."""
-    config = _flag(name, "--config")
-    assert config in _mounts(name), f"{name}: --config {config} is not mounted"
-    return ROOT / _mounts(name)[config]
+def _run_config(name: str, config_file: str = "default.toml") -> Path:
+    """The host file mounted where the service's --config points (GRPO_MESH_CONFIG=config_file)."""
+    config = Path(_flag(name, "--config", GRPO_MESH_CONFIG=config_file))
+    mounted = {Path(target): source for target, source in _mounts(name).items()}
+    for target, source in mounted.items():
+        if config == target or target in config.parents:
+            return ROOT / source / config.relative_to(target)
+    raise AssertionError(f"{name}: --config {config} is not mounted")
 
 
 def _stub(name: str) -> str:
@@ -93,19 +106,21 @@ def _stub(name: str) -> str:
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_each_profile_runs_every_role_once(profile: str) -> None:
-    roles = [_role(n) for n, s in SERVICES.items() if profile in s.get("profiles", [profile])]
+    roles = [_role(n) for n in ROLES if profile in SERVICES[n].get("profiles", [profile])]
     assert sorted(roles) == sorted(PORTS), f"profile {profile}: {roles}"
 
 
-@pytest.mark.parametrize("name", sorted(SERVICES))
+@pytest.mark.parametrize("name", ROLES)
 def test_command_port_and_healthcheck_agree(name: str) -> None:
     role, service = _role(name), SERVICES[name]
     port = int(_flag(name, "--port"))
     assert port == PORTS[role]
-    published = [str(p).split(":")[-1] for p in service.get("ports", [])] + [
+    published = [_expand(str(p)).split(":")[-1] for p in service.get("ports", [])] + [
         str(p) for p in service.get("expose", [])
     ]
     assert str(port) in published, f"{name}: port {port} neither exposed nor published"
+    host_ports = [_expand(str(p)) for p in service.get("ports", [])]
+    assert f"127.0.0.1:{port}:{port}" in host_ports, f"{name}: {port} not published on 127.0.0.1 for grpcurl"
     stub = _stub(name)
     assert re.findall(r"127\.0\.0\.1:(\d+)", stub) == [str(port)], stub
     assert re.findall(r'service="([^"]+)"', stub) == [_health_service_name(role)], stub
@@ -120,22 +135,66 @@ def test_scheduler_waits_for_the_others_to_be_healthy(profile: str) -> None:
     expected = {active[r] for r in ("env", "rollout", "learner")}
     assert set(depends) == expected
     assert all(d.get("condition") == "service_healthy" for d in depends.values()), depends
-    for role in ("env", "rollout", "learner"):
-        assert "depends_on" not in SERVICES[active[role]]
+    assert "depends_on" not in SERVICES[active["env"]]
+    for role in ("rollout", "learner"):  # they load the model: after `init` has prepared it
+        after_init = {"init": {"condition": "service_completed_successfully"}}
+        assert SERVICES[active[role]]["depends_on"] == after_init
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_init_prepares_what_the_run_config_asks_and_runs_once(profile: str) -> None:
+    init = SERVICES["init"]
+    assert profile in init["profiles"] and init["restart"] == "no"
+    assert init["command"][:4] == ["python", "-m", "services.launch", "prepare"]
+    assert _flag("init", "--config") == _flag(_active(profile)["scheduler"], "--config")
+
+
+@pytest.mark.parametrize("config_file", RUN_CONFIGS)
+def test_every_run_config_prepares_and_serves_one_model(config_file: str) -> None:
+    from services.launch.prepare import PrepareSettings
+
+    config = tomllib.loads(_run_config("init", config_file).read_text())
+    prepare = PrepareSettings.model_validate(config.get("prepare", {}))
+    assert config["learner"]["model"] == config["rollout"]["model"]
+    if prepare.tiny_model is not None:  # a model built into the volume: the one both services load
+        assert str(prepare.tiny_model).startswith("/data/") and config["learner"]["model"] == str(
+            prepare.tiny_model
+        )
+
+
+def test_no_healthcheck_option_that_older_engines_refuse() -> None:
+    """Engines before v25 (Debian bookworm's docker.io 20.10) reject start_interval outright."""
+    for name, service in SERVICES.items():
+        assert "start_interval" not in service.get("healthcheck", {}), name
+
+
+def test_images_build_from_a_base_argument_as_a_non_root_user() -> None:
+    cpu = (ROOT / "docker" / "Dockerfile.cpu").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim" in cpu and cpu.count("FROM ${BASE_IMAGE}") == 2
+    for dockerfile in ("Dockerfile.cpu", "Dockerfile.gpu"):
+        text = (ROOT / "docker" / dockerfile).read_text()
+        users = re.findall(r"^USER (\S+)", text, re.M)
+        assert users and users[-1] not in ("root", "0"), dockerfile
+    build = SERVICES["scheduler"]["build"]
+    assert _expand(build["args"]["BASE_IMAGE"]) == "python:3.11-slim"  # what users with a registry get
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "runs", ".cache"} <= set(ignored)
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
-def test_volumes_shared_data_and_run_config(name: str) -> None:
+@pytest.mark.parametrize("config_file", RUN_CONFIGS)
+def test_volumes_shared_data_and_run_config(name: str, config_file: str) -> None:
     assert _mounts(name).get("/data") == "grpo-data" and "grpo-data" in COMPOSE["volumes"]
-    assert _run_config(name).is_file()
+    assert _run_config(name, config_file).is_file()
 
 
-@pytest.mark.parametrize("name", sorted(SERVICES))
-def test_a_crashed_service_is_restarted_and_its_state_is_on_the_volume(name: str) -> None:
+@pytest.mark.parametrize("name", ROLES)
+@pytest.mark.parametrize("config_file", RUN_CONFIGS)
+def test_a_crashed_service_is_restarted_and_its_state_is_on_the_volume(name: str, config_file: str) -> None:
     """restart: on-failure brings a killed container back; the scheduler's ledger and the learner's
     checkpoints live under /data (the named volume), and the learner resumes from them."""
     assert SERVICES[name]["restart"] == "on-failure"
-    config = tomllib.loads(_run_config(name).read_text())
+    config = tomllib.loads(_run_config(name, config_file).read_text())
     assert config["scheduler"]["run_dir"].startswith("/data/")
     checkpoint = config["learner"]["checkpoint"]
     assert checkpoint["dir"].startswith("/data/") and checkpoint["resume"] and checkpoint["every"] > 0
@@ -193,8 +252,11 @@ def _field_path_error(cls: type[BaseModel], parts: list[str]) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name", sorted(SERVICES))
-def test_env_vars_name_settings_fields_and_validate(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ROLES)
+@pytest.mark.parametrize("config_file", RUN_CONFIGS)
+def test_env_vars_name_settings_fields_and_validate(
+    name: str, config_file: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     role = _role(name)
     settings_cls = _settings_class(role)
     prefix = f"GRPO_{role.upper()}__"
@@ -209,7 +271,7 @@ def test_env_vars_name_settings_fields_and_validate(name: str, monkeypatch: pyte
         monkeypatch.delenv(key)
     for key, value in grpo_vars.items():
         monkeypatch.setenv(key, value)
-    settings = settings_cls.load(_run_config(name), port=int(_flag(name, "--port")))
+    settings = settings_cls.load(_run_config(name, config_file), port=int(_flag(name, "--port")))
     assert settings.host == "0.0.0.0", f"{name}: must bind all interfaces inside its container"
 
 
@@ -263,7 +325,7 @@ async def test_healthcheck_stub_probes_readiness_of_a_live_server(role: str) -> 
 
 
 def test_stub_is_three_lines() -> None:
-    for name in SERVICES:
+    for name in ROLES:
         assert len(_stub(name).strip().splitlines()) == 3, name
 
 
@@ -275,7 +337,7 @@ def test_learner_and_rollout_serve_the_same_model() -> None:
 @pytest.mark.parametrize("role", sorted(PORTS))
 def test_command_module_runs_and_accepts_the_flags(role: str) -> None:
     _settings_class(role)
-    (name,) = {n for n in SERVICES if _role(n) == role and "cpu" in SERVICES[n].get("profiles", ["cpu"])}
+    (name,) = {n for n in ROLES if _role(n) == role and "cpu" in SERVICES[n].get("profiles", ["cpu"])}
     command = [sys.executable, *SERVICES[name]["command"][1:3], "--help"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -4,7 +4,7 @@ the services start (compose's `init` service): builds the project's tiny model w
 
     [prepare]
     tiny_model = "/data/models/tiny"   # built here unless it already exists (then a no-op)
-    warm_start_steps = 120             # supervised warm start on the demo task (services/launch/tiny_model.py)
+    warm_start_steps = 120             # supervised warm start on the demo task (tiny_model.py)
 
 A run-config without `[prepare]` (e.g. one that names a Hugging Face model id) makes this a no-op; the
 services never read the table.
@@ -34,7 +34,7 @@ class PrepareSettings(BaseModel):
         None, description="Build the project's tiny model into this directory (kept if it exists)."
     )
     warm_start_steps: int = Field(
-        120, ge=0, le=100_000, description="Supervised warm-start steps on the demo task (the demo's default)."
+        120, ge=0, le=100_000, description="Supervised warm-start steps on the demo task (as the demo)."
     )
 
 
@@ -58,8 +58,10 @@ def prepare(settings: PrepareSettings) -> Path | None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.launch prepare", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", type=Path, required=True, help="the run-config (TOML) with a [prepare] table")
+    parser = argparse.ArgumentParser(
+        prog="python -m services.launch prepare", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--config", type=Path, required=True, help="run-config (TOML) with a [prepare] table")
     args = parser.parse_args(argv)
     configure_logging(service="prepare")
     with args.config.open("rb") as handle:

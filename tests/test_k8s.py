@@ -5,22 +5,19 @@ kustomization.yaml lists them all. Per role: one ClusterIP Service with a `grpc`
 kind, the command with the documented port, container port = Service targetPort, gRPC probes naming the
 role's full service name, images, GPUs, security context, the run-config and PVC mounts. Every GRPO_*
 variable names a settings field and, with the ConfigMap's run-config, validates; peer addresses point at
-Services that exist; the rollout's registration container really registers with a live SchedulerService.
+Services that exist; each rollout replica registers itself at its pod's address.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import os
 import re
-import sys
 import tomllib
 import typing
 from pathlib import Path
 
-import grpc
 import kubernetes_validate
 import pytest
 import yaml
@@ -271,6 +268,9 @@ def test_env_vars_name_settings_fields_and_validate(
     assert settings.host == "0.0.0.0", f"{role}: must bind all interfaces inside its pod"
     if role == "rollout":
         assert settings.rollout_id == DOWNWARD["metadata.name"], "each replica needs its own rollout id"
+        # it registers itself at its pod's address (tests/rollout/test_registration.py)
+        assert settings.registration.scheduler_address == f"scheduler:{PORTS['scheduler']}"
+        assert settings.registration.advertise_address == f"{DOWNWARD['status.podIP']}:{PORTS['rollout']}"
 
 
 @pytest.mark.parametrize("role", sorted(PORTS))
@@ -331,63 +331,3 @@ def test_run_config_is_default_toml_with_paths_on_the_pvc() -> None:
         config["scheduler"].pop("run_dir")
         config["learner"]["checkpoint"].pop("dir")
     assert ours == default
-
-
-class _Registrations:
-    """The orchestrator's side of RegisterWorker: records the addresses."""
-
-    def __init__(self) -> None:
-        self.addresses: list[str] = []
-        self.twice = asyncio.Event()
-
-    def register_rollout(self, address: str) -> str:
-        self.addresses.append(address)
-        if len(self.addresses) >= 2:
-            self.twice.set()
-        return address
-
-
-def _register_container() -> dict:
-    (container,) = [c for c in _pod("rollout")["containers"] if c["name"] != "rollout"]
-    return container
-
-
-async def test_rollout_registration_container_registers_its_pod_with_a_live_scheduler() -> None:
-    from grpo.scheduler.v1 import scheduler_pb2_grpc
-    from services.scheduler.servicer import SchedulerServicer
-
-    container = _register_container()
-    assert container["image"] == _container("rollout")["image"]
-    command = container["command"]
-    assert command[:2] == ["python", "-c"] and len(command) == 3, command
-    environment = _environment(container)
-    assert environment["SCHEDULER_ADDRESS"] == f"scheduler:{PORTS['scheduler']}"
-    pod_ip = {v["name"]: v for v in container["env"]}["POD_IP"]
-    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-
-    registrations = _Registrations()
-    server = grpc.aio.server()
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(registrations), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        command[2],
-        env={
-            **os.environ,
-            **environment,
-            "SCHEDULER_ADDRESS": f"127.0.0.1:{port}",
-            "REGISTER_INTERVAL_S": "0.2",
-        },
-        cwd=ROOT,
-    )
-    try:
-        # It registers, then registers again (so a restarted scheduler learns it back).
-        await asyncio.wait_for(registrations.twice.wait(), 60)
-    finally:
-        process.kill()
-        await process.wait()
-        await server.stop(0)
-    expected = f"{DOWNWARD['status.podIP']}:{PORTS['rollout']}"
-    assert registrations.addresses[:2] == [expected, expected]

@@ -70,6 +70,23 @@ class RequestLimits(_Section):
     max_id_chars: int = Field(default=256, ge=1, description="Longest request or prompt id, in characters.")
 
 
+class RegistrationConfig(_Section):
+    """Joining a scheduler by itself (services/rollout/registration.py), for scaled rollout replicas."""
+
+    scheduler_address: str = Field(
+        default="", description="Scheduler host:port to register with; empty = do not register."
+    )
+    advertise_address: str = Field(
+        default="",
+        description="host:port the scheduler dials this rollout at; empty = this host's name and the "
+        "bound port (set it where the hostname does not resolve, e.g. to the pod IP).",
+    )
+    interval_s: float = Field(
+        default=30.0, gt=0, description="Seconds between registrations (a restarted scheduler relearns it)."
+    )
+    timeout_s: float = Field(default=10.0, gt=0, description="Deadline of one RegisterWorker call.")
+
+
 class RolloutSettings(ServiceSettings):
     """Everything `python -m services.rollout` accepts; see `--help`."""
 
@@ -116,3 +133,7 @@ class RolloutSettings(ServiceSettings):
     )
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine ([rollout.vllm]).")
     hf: HfConfig = Field(default_factory=HfConfig, description="transformers engine ([rollout.hf]).")
+    registration: RegistrationConfig = Field(
+        default_factory=RegistrationConfig,
+        description="Registering with a scheduler ([rollout.registration]).",
+    )

@@ -13,6 +13,7 @@ from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.serve import run_service, service_names
 from services.common.telemetry import Reading
 from services.rollout.config import RolloutSettings
+from services.rollout.registration import Registration, advertised_address
 from services.rollout.rollout import Rollout
 from services.rollout.servicer import RolloutServicer
 
@@ -30,6 +31,8 @@ class RolloutApp:
     def __init__(self, settings: RolloutSettings, freeze_heap: bool = False) -> None:
         self.rollout = Rollout(settings)
         self.bound_port: int | None = None
+        self.registration: Registration | None = None
+        self._registration_config = settings.registration
         self._freeze_heap = freeze_heap
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -39,8 +42,14 @@ class RolloutApp:
         await self.rollout.start()
         if self._freeze_heap:
             freeze_heap()
+        config = self._registration_config
+        if config.scheduler_address:  # once the engine is loaded: the scheduler may send work at once
+            self.registration = Registration(config, advertised_address(config, self.bound_port))
+            self.registration.start()
 
     async def stop(self) -> None:
+        if self.registration is not None:
+            await self.registration.stop()
         await self.rollout.stop()
 
     def metrics_snapshot(self) -> list[Reading]:

@@ -18,7 +18,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.common.logging import configure_logging, get_logger
 
@@ -66,7 +66,13 @@ def main(argv: list[str]) -> int:
     configure_logging(service="prepare")
     with args.config.open("rb") as handle:
         table = tomllib.load(handle).get("prepare", {})
-    prepare(PrepareSettings.model_validate(table))
+    try:
+        settings = PrepareSettings.model_validate(table)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        print(f"error: [prepare] in {args.config}: {problems}", file=sys.stderr)
+        return 2
+    prepare(settings)
     return 0
 
 

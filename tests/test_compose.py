@@ -5,27 +5,24 @@ Per profile (cpu, gpu, gpu-nccl) each role runs once, after the one-shot `init`;
 service modules with the documented ports, published on 127.0.0.1; healthchecks probe the same port
 for the role's full gRPC service name (and the stub really works against a live server); the scheduler
 waits for the others to be healthy; every GRPO_* variable names a settings field and, with every
-run-config in docker/configs/, validates; peer addresses point at real services. A role whose
-`services/<role>/config.py` is not written yet is skipped, saying so.
+run-config in docker/configs/, validates; peer addresses point at real services (the settings helpers
+are shared with tests/test_k8s.py: tests/deployment_settings.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 import os
 import re
 import subprocess
 import sys
 import tomllib
-import typing
 from pathlib import Path
 
 import grpc
 import pytest
 import yaml
-from pydantic import BaseModel
+from deployment_settings import field_path_error, health_service_name, settings_class
 
 from services.common.config import ServiceSettings
 from services.common.serve import start_server
@@ -61,26 +58,6 @@ def _flag(name: str, flag: str, **chosen: str) -> str:
 def _active(profile: str) -> dict[str, str]:
     """role -> compose service for the services a profile starts."""
     return {_role(n): n for n in ROLES if profile in SERVICES[n].get("profiles", [profile])}
-
-
-def _health_service_name(role: str) -> str:
-    module = importlib.import_module(f"grpo.{role}.v1.{role}_pb2")
-    (service,) = module.DESCRIPTOR.services_by_name.values()
-    return service.full_name
-
-
-def _settings_class(role: str) -> type[ServiceSettings]:
-    """The ServiceSettings subclass defined in services/<role>/config.py (skip while it is missing)."""
-    if not (ROOT / "services" / role / "config.py").exists():
-        pytest.skip(f"services/{role}/config.py is not written yet")
-    module = importlib.import_module(f"services.{role}.config")
-    found = [
-        cls
-        for cls in vars(module).values()
-        if inspect.isclass(cls) and issubclass(cls, ServiceSettings) and cls.__module__ == module.__name__
-    ]
-    assert len(found) == 1, f"services/{role}/config.py must define one ServiceSettings subclass: {found}"
-    return found[0]
 
 
 def _mounts(name: str) -> dict[str, str]:
@@ -123,8 +100,8 @@ def test_command_port_and_healthcheck_agree(name: str) -> None:
     assert f"127.0.0.1:{port}:{port}" in host_ports, f"{name}: {port} not published on 127.0.0.1 for grpcurl"
     stub = _stub(name)
     assert re.findall(r"127\.0\.0\.1:(\d+)", stub) == [str(port)], stub
-    assert re.findall(r'service="([^"]+)"', stub) == [_health_service_name(role)], stub
-    _settings_class(role)  # skips while services/<role>/ is being written
+    assert re.findall(r'service="([^"]+)"', stub) == [health_service_name(role)], stub
+    settings_class(role)  # skips while services/<role>/ is being written
     assert (ROOT / "services" / role / "__main__.py").exists(), f"python -m services.{role} has no __main__"
 
 
@@ -238,34 +215,20 @@ def test_dockerfiles_exist(name: str) -> None:
     assert (ROOT / SERVICES[name]["build"]["dockerfile"]).is_file()
 
 
-def _field_path_error(cls: type[BaseModel], parts: list[str]) -> str | None:
-    """None if `parts` (lower-case) name a field, walking into nested models; else why not."""
-    model: type[BaseModel] | None = cls
-    for depth, part in enumerate(parts):
-        if model is None:
-            return None  # inside a dict/any-typed field: free-form keys
-        if part not in model.model_fields:
-            return f"{model.__name__} has no field {part!r} (path {'.'.join(parts[: depth + 1])})"
-        annotation = model.model_fields[part].annotation
-        candidates = [a for a in (annotation, *typing.get_args(annotation)) if inspect.isclass(a)]
-        model = next((a for a in candidates if issubclass(a, BaseModel)), None)
-    return None
-
-
 @pytest.mark.parametrize("name", ROLES)
 @pytest.mark.parametrize("config_file", RUN_CONFIGS)
 def test_env_vars_name_settings_fields_and_validate(
     name: str, config_file: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     role = _role(name)
-    settings_cls = _settings_class(role)
+    settings_cls = settings_class(role)
     prefix = f"GRPO_{role.upper()}__"
     assert settings_cls.model_config.get("env_prefix") == prefix
     environment = {k: str(v) for k, v in SERVICES[name].get("environment", {}).items()}
     grpo_vars = {k: v for k, v in environment.items() if k.startswith("GRPO_")}
     for key in grpo_vars:
         assert key.startswith(prefix), f"{name}: {key} is not for {role} ({prefix}*)"
-        error = _field_path_error(settings_cls, key.removeprefix(prefix).lower().split("__"))
+        error = field_path_error(settings_cls, key.removeprefix(prefix).lower().split("__"))
         assert error is None, f"{name}: {key}: {error}"
     for key in [k for k in os.environ if k.startswith("GRPO_")]:
         monkeypatch.delenv(key)
@@ -304,7 +267,7 @@ class _NamedApp:
 
 async def _run_stub(name: str, ready: bool) -> int:
     role = _role(name)
-    app = _NamedApp(_health_service_name(role))
+    app = _NamedApp(health_service_name(role))
     running = await start_server(app, ServiceSettings(port=0, grace_seconds=0.1))
     try:
         if not ready:
@@ -336,7 +299,7 @@ def test_learner_and_rollout_serve_the_same_model() -> None:
 
 @pytest.mark.parametrize("role", sorted(PORTS))
 def test_command_module_runs_and_accepts_the_flags(role: str) -> None:
-    _settings_class(role)
+    settings_class(role)
     (name,) = {n for n in ROLES if _role(n) == role and "cpu" in SERVICES[n].get("profiles", ["cpu"])}
     command = [sys.executable, *SERVICES[name]["command"][1:3], "--help"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -10,20 +10,15 @@ Services that exist; each rollout replica registers itself at its pod's address.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import os
 import re
 import tomllib
-import typing
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
-from pydantic import BaseModel
-
-from services.common.config import ServiceSettings
+from deployment_settings import field_path_error, health_service_name, settings_class
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -85,37 +80,6 @@ def _named_port(container: dict, name: str) -> int:
 def _flag(command: list[str], flag: str) -> str:
     assert command.count(flag) == 1, f"{flag} must appear once in {command}"
     return command[command.index(flag) + 1]
-
-
-def _health_service_name(role: str) -> str:
-    module = importlib.import_module(f"grpo.{role}.v1.{role}_pb2")
-    (service,) = module.DESCRIPTOR.services_by_name.values()
-    return service.full_name
-
-
-def _settings_class(role: str) -> type[ServiceSettings]:
-    module = importlib.import_module(f"services.{role}.config")
-    found = [
-        cls
-        for cls in vars(module).values()
-        if inspect.isclass(cls) and issubclass(cls, ServiceSettings) and cls.__module__ == module.__name__
-    ]
-    assert len(found) == 1, f"services/{role}/config.py must define one ServiceSettings subclass: {found}"
-    return found[0]
-
-
-def _field_path_error(cls: type[BaseModel], parts: list[str]) -> str | None:
-    """None if `parts` (lower-case) name a field, walking into nested models; else why not."""
-    model: type[BaseModel] | None = cls
-    for depth, part in enumerate(parts):
-        if model is None:
-            return None  # inside a dict/any-typed field: free-form keys
-        if part not in model.model_fields:
-            return f"{model.__name__} has no field {part!r} (path {'.'.join(parts[: depth + 1])})"
-        annotation = model.model_fields[part].annotation
-        candidates = [a for a in (annotation, *typing.get_args(annotation)) if inspect.isclass(a)]
-        model = next((a for a in candidates if issubclass(a, BaseModel)), None)
-    return None
 
 
 def _environment(container: dict) -> dict[str, str]:
@@ -208,7 +172,7 @@ def test_command_ports_and_grpc_probes_agree(role: str) -> None:
         assert resolved in [p["containerPort"] for p in container["ports"]], service_port
         if service_port["name"] == "grpc":
             assert resolved == port
-    full_name = _health_service_name(role)
+    full_name = health_service_name(role)
     assert container["readinessProbe"]["grpc"] == {"port": port, "service": full_name}
     assert container["livenessProbe"]["grpc"]["port"] == port
     assert container["livenessProbe"]["grpc"].get("service", "") in ("", full_name)
@@ -233,7 +197,7 @@ def test_images_gpus_security_and_grace(role: str) -> None:
     context = pod["securityContext"]
     assert context["runAsNonRoot"] is True and context["runAsUser"] == UID and context["fsGroup"] == UID
     assert pod["terminationGracePeriodSeconds"] == 30
-    assert pod["terminationGracePeriodSeconds"] > _settings_class(role).model_fields["grace_seconds"].default
+    assert pod["terminationGracePeriodSeconds"] > settings_class(role).model_fields["grace_seconds"].default
 
 
 @pytest.mark.parametrize("role", sorted(PORTS))
@@ -252,7 +216,7 @@ def test_run_config_and_pvc_mounts(role: str) -> None:
 def test_env_vars_name_settings_fields_and_validate(
     role: str, run_config_file: Path, clean_env: pytest.MonkeyPatch
 ) -> None:
-    settings_cls = _settings_class(role)
+    settings_cls = settings_class(role)
     prefix = f"GRPO_{role.upper()}__"
     assert settings_cls.model_config.get("env_prefix") == prefix
     environment = _environment(_container(role))
@@ -260,7 +224,7 @@ def test_env_vars_name_settings_fields_and_validate(
     assert f"{prefix}HOST" in grpo_vars
     for key in grpo_vars:
         assert key.startswith(prefix), f"{role}: {key} is not for {role} ({prefix}*)"
-        error = _field_path_error(settings_cls, key.removeprefix(prefix).lower().split("__"))
+        error = field_path_error(settings_cls, key.removeprefix(prefix).lower().split("__"))
         assert error is None, f"{role}: {key}: {error}"
     for key, value in grpo_vars.items():
         clean_env.setenv(key, value)
@@ -317,7 +281,7 @@ def test_run_config_keeps_durable_state_on_the_pvc() -> None:
 
 @pytest.mark.parametrize("role", sorted(PORTS))
 def test_run_config_tables_validate(role: str, run_config_file: Path, clean_env: pytest.MonkeyPatch) -> None:
-    settings = _settings_class(role).load(run_config_file, port=PORTS[role])
+    settings = settings_class(role).load(run_config_file, port=PORTS[role])
     if role == "scheduler":
         assert str(settings.run_dir).startswith(f"{DATA}/")
     if role == "learner":

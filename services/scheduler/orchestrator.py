@@ -20,19 +20,16 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-import uuid
 from collections import deque
-from functools import partial
 
-from grpo.common.v1 import types_pb2
 from services.common.advantages import MODE_FOR_LOSS, AdvantageMode
 from services.common.errors import GrpoError
 from services.common.logging import get_logger
+from services.scheduler.alignment import AlignmentProbe
 from services.scheduler.clients import (
     EnvClient,
     LearnerClient,
     LearnerInfo,
-    Sampling,
     ScoredGroup,
     StepResult,
 )
@@ -43,11 +40,11 @@ from services.scheduler.ledger import GroupLedger, GroupState
 from services.scheduler.metrics import MetricsLog, observe_step, step_record
 from services.scheduler.policy import build_train_batch
 from services.scheduler.recovery import LOST_LINEAGE, LedgerMismatch, RecoveryPlan, plan_recovery
-from services.scheduler.rollouts import RolloutHandle, RolloutPool
+from services.scheduler.rollouts import RolloutPool
 from services.scheduler.status import RolloutStatus, SchedulerStatus
 from services.scheduler.store import BatchRow, LedgerStore, Snapshot, new_run_id
 from services.scheduler.tracking import Tracker
-from services.scheduler.weight_sync import AlignmentError, SyncResult, WeightSyncer
+from services.scheduler.weight_sync import SyncResult, WeightSyncer
 
 log = get_logger(__name__)
 
@@ -61,6 +58,7 @@ class Orchestrator:
         self.store = LedgerStore(settings.run_dir)
         self.ledger = GroupLedger(sink=self.store.group_changed)
         self.syncer = WeightSyncer(learner, pool, settings.weight_transport)
+        self.alignment = AlignmentProbe(settings, self.syncer)
         self.evaluator = Evaluator(settings, env, pool)
         self.groups = GroupPipeline(
             settings, env, pool, self.ledger, self.store, lambda: self.version, lambda: self.generation
@@ -78,7 +76,6 @@ class Orchestrator:
         self.error = ""
         self.last_alignment = 0.0
         self._staleness_total, self._staleness_groups = 0, 0  # over every trained group (GetStatus)
-        self.probe: types_pb2.TokenSequence | None = None
         self.advantage_mode = settings.advantage_mode
         self._metrics: MetricsLog | None = None  # opened when the run starts
         self._born = time.monotonic()
@@ -158,13 +155,14 @@ class Orchestrator:
             self.groups.cursor = 0
         self.store.event("scheduler_start", step=self.step, version=self.version, resumed=resumed)
         await self.store.flush()
-        await self._wait_for_a_rollout()
+        recovery = self.settings.recovery  # a rollout may still be (re)starting
+        await self.pool.wait_for_healthy(self.version, recovery.peer_restart_timeout, recovery.retry_interval)
         async with self.syncer.lock:
             lagging = self.pool.behind(self.version)
             if lagging:
                 await self.syncer.sync(lagging)
-        self.probe = await self._make_probe()
-        self.last_alignment = await self._check_alignment(self.pool.healthy())
+        await self.alignment.make(self.env, self.pool)
+        self.last_alignment = await self.alignment.check(self.pool.healthy(), self.version)
         log.info(
             "ready to train",
             version=self.version,
@@ -261,56 +259,6 @@ class Orchestrator:
                 self.ledger.advance(group_id, GroupState.TRAINED)
         after = row.step + 1 if version_after is None else version_after  # version = step, always
         self.store.trained(row.step, row.batch_id, after, instance, self.generation)
-
-    async def _wait_for_a_rollout(self) -> None:
-        """Poll the rollouts until one is ready (one may be restarting), up to the peer restart timeout."""
-        cfg = self.settings.recovery
-        deadline = time.monotonic() + cfg.peer_restart_timeout
-        while True:
-            await self.pool.refresh_all(self.version)
-            if self.pool.healthy():
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no rollout became ready within {cfg.peer_restart_timeout:g} s")
-            await asyncio.sleep(cfg.retry_interval)
-
-    async def _make_probe(self) -> types_pb2.TokenSequence:
-        """A fixed probe: one seeded completion of the env's first eval prompt (from the first rollout
-        that answers; unreachable ones are marked unhealthy)."""
-        prompt = (
-            await patiently(self.settings.recovery, "env", partial(self.env.sample, 1, "eval", start=0))
-        )[0]
-        cfg = self.settings.sampling
-        sampling = Sampling(n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=1234)
-        for handle in self.pool.healthy():
-            try:
-                completions = await handle.client.generate(f"probe-{uuid.uuid4().hex[:8]}", prompt, sampling)
-            except GrpoError as exc:
-                if not exc.unreachable:
-                    raise
-                await self.pool.mark(handle, healthy=False)
-                continue
-            if not completions:
-                raise RuntimeError("probe generation returned nothing")
-            return types_pb2.TokenSequence(
-                prompt_token_ids=completions[0].prompt_token_ids,
-                completion_token_ids=completions[0].completion_token_ids,
-                temperature=cfg.temperature,
-            )
-        raise RuntimeError("no rollout answered the probe generation")
-
-    async def _check_alignment(self, rollouts: list[RolloutHandle]) -> float:
-        assert self.probe is not None
-        diff = await self.syncer.probe(self.probe, rollouts)
-        if diff > self.settings.alignment_threshold:
-            message = (
-                f"logprob misalignment after sync to v{self.version}: max |Δ| = {diff:.3g} "
-                f"> threshold {self.settings.alignment_threshold:g}"
-            )
-            if self.settings.alignment_action == "fail":
-                raise AlignmentError(message)
-            log.warning(message)
-        return diff
 
     # ---- training and weight sync ----------------------------------------------------------------
 
@@ -426,8 +374,8 @@ class Orchestrator:
         behind = self.pool.behind(self.version)
         sync = await self.syncer.sync(behind) if behind else SyncResult.nothing(self.version)
         holding = len(self.pool.healthy()) - len(self.pool.behind(self.version))
-        self.last_alignment = await self._check_alignment(
-            [h for h in self.pool.healthy() if h.version == self.version]
+        self.last_alignment = await self.alignment.check(
+            [h for h in self.pool.healthy() if h.version == self.version], self.version
         )
         return sync, holding
 

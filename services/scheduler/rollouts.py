@@ -137,6 +137,18 @@ class RolloutPool:
         await asyncio.gather(*(self.refresh(h, current_version) for h in self.handles()))
         self.forget_unreachable()
 
+    async def wait_for_healthy(self, current_version: int, timeout_s: float, poll_s: float) -> None:
+        """Poll every rollout until one is ready (one may be restarting); RuntimeError after
+        `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self.refresh_all(current_version)
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no rollout became ready within {timeout_s:g} s")
+            await asyncio.sleep(poll_s)
+
     async def mark(self, handle: RolloutHandle, *, healthy: bool) -> None:
         async with self.changed:
             handle.healthy = healthy

@@ -174,7 +174,7 @@ async def test_the_probe_comes_from_a_rollout_that_answers(tmp_path: Path) -> No
     c = cluster(tmp_path, FakeRollout("r0", alive=True), FakeRollout("r1"))
     await c.orchestrator.pool.refresh_all(0)
     c.rollouts["r0"].alive = False  # healthy at the last poll, dead by the time the probe runs
-    probe = await c.orchestrator._make_probe()
+    probe = await c.orchestrator.alignment.make(c.env, c.orchestrator.pool)
     assert list(probe.completion_token_ids) == [3, 4, 5]
     assert [h.address for h in c.orchestrator.pool.healthy()] == ["r1"]
 

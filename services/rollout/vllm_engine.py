@@ -348,7 +348,7 @@ class VllmEngine(RolloutEngine):
         return LoadTimings(
             pause_ms=(resumed - paused) * 1e3,
             load_ms=(loaded - loading) * 1e3,
-            extra={"worker_load_ms": worker_ms, "pausing_ms": (loading - paused) * 1e3},
+            extra={"worker_load_ms": worker_ms},
         )
 
     async def _pause(self) -> None:

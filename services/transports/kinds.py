@@ -75,9 +75,19 @@ def kind_from_proto(value: int) -> TransportKind:
     return TransportKind(kind)
 
 
+MESH_SLACK_S = 2.0  # joining: beyond the deadline, for the connect path's own timeout to fire first
+
+
+def join_bound_s(deadline_seconds: float) -> float:
+    """The most joining a weight-sync group may take (see `process_group.py`): a member waits up to
+    two deadlines for the roll call's verdict (rank 0 may arrive one deadline late, then waits one),
+    then the connection mesh has one."""
+    return 3 * deadline_seconds + MESH_SLACK_S
+
+
 def collective_receive_s(deadline_seconds: float, buckets: int) -> float:
-    """The most a collective receive may take: joining and each bucket each have the deadline."""
-    return deadline_seconds * (buckets + 1)
+    """The most a collective receive may take: joining, then each bucket has the deadline."""
+    return join_bound_s(deadline_seconds) + deadline_seconds * buckets
 
 
 def receive_bound_s(message: types_pb2.WeightVersion) -> float | None:

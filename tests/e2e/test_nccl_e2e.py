@@ -23,12 +23,14 @@ from services.scheduler.server import SchedulerApp
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS, GROUPS, G = 6, 4, 4
+STEPS, GROUPS, G = 8, 4, 4
 DEADLINE = 20.0  # per join and per bucket; CI's 2 loaded cores missed 8 s joins (three engines start there)
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # complete lines only
+    return [json.loads(line) for line in lines]
 
 
 @pytest.fixture
@@ -77,9 +79,14 @@ async def test_one_group_of_vllm_and_transformers_rollouts_survives_a_killed_mem
     running = await start_server(app, settings)
     try:
         orch = app.orchestrator
-        while orch.step < 3:  # three versions through the full group
+        # a version through the full group first. Not "the first versions": on two loaded cores a
+        # member may still be busy (an engine's first steps) and miss a join's deadline, which fails
+        # that version for all and the next one forms the group again — the design, not a fault
+        while not any(r.get("rollouts_synced") == 3 for r in _rows(tmp_path)):
             assert not app.run_task.done(), orch.error
+            assert orch.step <= STEPS - 3, f"no version reached all three rollouts: {_rows(tmp_path)}"
             await asyncio.sleep(0.05)
+        killed_at = orch.step
         procs["hf"].process.send_signal(signal.SIGKILL)
         await asyncio.wait_for(app.run_task, timeout=600)
         assert orch.finished and not orch.error, orch.error
@@ -89,7 +96,7 @@ async def test_one_group_of_vllm_and_transformers_rollouts_survives_a_killed_mem
         assert all(r["weight_transport"] == "nccl" for r in rows)
         assert all(r["logprob_abs_diff_max"] <= 1e-4 for r in rows), [r["logprob_abs_diff_max"] for r in rows]
         synced = [r["rollouts_synced"] for r in rows]
-        assert synced[:2] == [3, 3], synced  # the whole group at first
+        assert 3 not in synced[killed_at:], synced  # the dead member never syncs again
         assert synced[-1] == 2, synced  # the survivors, in a group without the dead member
         handles = {h.rollout_id: h for h in orch.pool.handles()}
         assert not handles["hf"].healthy

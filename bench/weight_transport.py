@@ -1,7 +1,9 @@
-"""Weight-transport benchmark: every implemented transport, measured in one run against two baselines
-measured in the same run: grpc_stream, and a plain copy of the same bytes in the transport's medium
+"""Weight-transport benchmark: every implemented transport, measured in one run against baselines
+measured in the same run: grpc_stream, a plain copy of the same bytes in the transport's medium
 (host memcpy for grpc_stream/shared_memory/nccl-over-Gloo; device-to-device copy for cuda_ipc and
-nccl on CUDA).
+nccl on CUDA), and for grpc_stream a raw gRPC byte stream (the same bytes in chunks of the same size
+as plain `bytes` messages, no protobuf, received into memory, server and client in this process as the
+learner and the rollout half are here): what gRPC itself costs, so the stream's overhead shows.
 
 A real Learner service (in-process gRPC server on 127.0.0.1:0) publishes the weights of a random
 Qwen2 model of the chosen size; the rollout's real staging code (`services.rollout.weight_sync`,
@@ -23,12 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
-from services.common.clients import open_channel
+from services.common.clients import grpc_options, open_channel
 from services.common.serve import start_server
+from services.common.weights import CHUNK_BYTES
 from services.learner.config import LearnerSettings
 from services.learner.server import LearnerApp
 from services.rollout.weight_sync import WeightStager
@@ -70,6 +74,38 @@ def copy_ms(nbytes: int, device: torch.device, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+async def raw_stream_ms(nbytes: int, chunk: int, repeats: int) -> float:
+    """A raw grpc.aio server stream of `nbytes` as `chunk`-sized `bytes` messages (identity
+    serializers), each copied into a receive buffer; median over `repeats` after one warm-up."""
+    source = memoryview(bytearray(nbytes))
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext):
+        for offset in range(0, nbytes, chunk):
+            yield bytes(source[offset : offset + chunk])
+
+    handler = grpc.unary_stream_rpc_method_handler(stream)  # no (de)serializers: bytes as they are
+    server = grpc.aio.server(options=grpc_options(2 * chunk))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Raw", {"Stream": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = open_channel(f"127.0.0.1:{port}", 2 * chunk)
+    call = channel.unary_stream("/bench.Raw/Stream")
+    received = memoryview(bytearray(nbytes))
+    times = []
+    try:
+        for _ in range(repeats + 1):
+            started, offset = time.perf_counter(), 0
+            async for data in call(b"", timeout=600):
+                received[offset : offset + len(data)] = data
+                offset += len(data)
+            assert offset == nbytes
+            times.append((time.perf_counter() - started) * 1e3)
+    finally:
+        await channel.close()
+        await server.stop(None)
+    return statistics.median(times[1:])
+
+
 async def measure(model_dir: Path, repeats: int, device: str) -> dict[str, dict]:
     settings = LearnerSettings(model=str(model_dir), device=device, dtype="float32", port=0)
     app = LearnerApp(settings)
@@ -94,15 +130,17 @@ async def measure(model_dir: Path, repeats: int, device: str) -> dict[str, dict]
             )
             medium = "device" if name == "cuda_ipc" or (name == "nccl" and device == "cuda") else "host"
             rows = results[name] = {"medium": medium, "prepare_ms": [], "stage_ms": [], "bytes": []}
-            for _ in range(repeats):
+            # one stager across versions, as a rollout has it (what a transport keeps between versions,
+            # e.g. grpc_stream's receive segment, is kept); the first version is the warm-up
+            stager = WeightStager("bench", fetch_timeout_s=600, workers=workers)
+            for _ in range(repeats + 1):
                 t0 = time.perf_counter()
                 request = learner_pb2.PrepareWeightsRequest(transport=kind, receivers=receivers)
                 prepared = await learner.PrepareWeights(request, timeout=600)
                 t1 = time.perf_counter()
-                stager = WeightStager("bench", fetch_timeout_s=600, workers=workers)
                 staged = await stager.stage(target_from_proto(prepared.weight_version), current_version=-1)
                 t2 = time.perf_counter()
-                stager.close()
+                await stager.abort(staged.version)  # released, as after its commit
                 del staged
                 await learner.ReleaseWeights(
                     learner_pb2.ReleaseWeightsRequest(version=prepared.weight_version.version), timeout=60
@@ -110,6 +148,9 @@ async def measure(model_dir: Path, repeats: int, device: str) -> dict[str, dict]
                 rows["prepare_ms"].append((t1 - t0) * 1e3)
                 rows["stage_ms"].append((t2 - t1) * 1e3)
                 rows["bytes"].append(prepared.weight_version.total_bytes)
+            stager.close()
+            for column in ("prepare_ms", "stage_ms"):
+                rows[column] = rows[column][1:]
     finally:
         await channel.close()
         await running.close()
@@ -131,18 +172,24 @@ def main() -> None:
         params = build_model(Path(tmp), args.hidden, args.layers, args.vocab)
         results = asyncio.run(measure(Path(tmp), args.repeats, args.device))
     nbytes = results["grpc_stream"]["bytes"][0]
+    raw_ms = asyncio.run(raw_stream_ms(nbytes, CHUNK_BYTES, args.repeats))
     baselines = {"host": copy_ms(nbytes, torch.device("cpu"), args.repeats)}
     if args.device == "cuda":
         baselines["device"] = copy_ms(nbytes, torch.device("cuda"), args.repeats)
     base = statistics.median(results["grpc_stream"]["stage_ms"])
     print(
         f"model: {params / 1e6:.1f}M params, {nbytes / 2**20:.0f} MiB fp32, learner on {args.device}; "
-        f"median of {args.repeats}"
+        f"median of {args.repeats} after one warm-up version"
     )
     for medium, ms in baselines.items():
         print(
             f"baseline {medium} copy of the same bytes: {ms:.1f} ms ({nbytes / 2**30 / (ms / 1e3):.2f} GiB/s)"
         )
+    print(
+        f"baseline raw gRPC byte stream of the same bytes ({CHUNK_BYTES >> 10} KiB messages): "
+        f"{raw_ms:.1f} ms ({nbytes / 2**30 / (raw_ms / 1e3):.2f} GiB/s); grpc_stream stage vs raw: "
+        f"{raw_ms / base:.2f}x"
+    )
     print(
         f"{'transport':<15}{'prepare ms':>12}{'stage ms':>12}{'stage GiB/s':>13}{'vs grpc':>10}"
         f"{'vs its medium copy':>20}"

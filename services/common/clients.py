@@ -132,9 +132,23 @@ class GrpcClient(Generic[StubT]):
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, self.peer) from exc
 
-    async def stream(self, method: str, request: Any, timeout: float) -> AsyncIterator[Any]:  # noqa: ASYNC109
-        """Iterate a server-streaming RPC under one deadline; a failure raises the mapped domain error."""
-        call = getattr(self.stub, method)(request, timeout=timeout)
+    async def stream(
+        self,
+        method: str,
+        request: Any,
+        timeout: float,  # noqa: ASYNC109 (the call's deadline)
+        raw: bool = False,
+    ) -> AsyncIterator[Any]:
+        """Iterate a server-streaming RPC under one deadline; a failure raises the mapped domain error.
+        `raw`: `method` is the full path ("/package.Service/Method") and the responses are their wire
+        bytes, for a caller that parses them itself (the weight stream's zero-copy decoder)."""
+        if raw:
+            _ = self.stub
+            assert self._channel is not None
+            multicallable = self._channel.unary_stream(method, type(request).SerializeToString)
+            call = multicallable(request, timeout=timeout)
+        else:
+            call = getattr(self.stub, method)(request, timeout=timeout)
         try:
             async for item in call:
                 yield item

@@ -149,12 +149,17 @@ def checksum_buckets(
 def verify_buckets(buffer: memoryview | torch.Tensor, manifest: Manifest) -> None:
     """Raise DataLoss naming the first bucket whose bytes do not match their checksum."""
     for bucket in manifest.buckets:
-        got = checksums.digest(manifest.algorithm, buffer[bucket.offset : bucket.offset + bucket.nbytes])
-        if got != bucket.digest:
-            raise DataLoss(
-                f"weight bucket {bucket.index} checksum mismatch ({manifest.algorithm}): "
-                f"expected {bucket.digest}, got {got}"
-            )
+        verify_bucket(buffer, manifest, bucket)
+
+
+def verify_bucket(buffer: memoryview | torch.Tensor, manifest: Manifest, bucket: BucketEntry) -> None:
+    """Raise DataLoss if `bucket`'s bytes in `buffer` do not match its checksum."""
+    got = checksums.digest(manifest.algorithm, buffer[bucket.offset : bucket.offset + bucket.nbytes])
+    if got != bucket.digest:
+        raise DataLoss(
+            f"weight bucket {bucket.index} checksum mismatch ({manifest.algorithm}): "
+            f"expected {bucket.digest}, got {got}"
+        )
 
 
 def iter_tensors(

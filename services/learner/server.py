@@ -18,6 +18,7 @@ from services.common.telemetry import Reading
 from services.learner.config import LearnerSettings
 from services.learner.learner import Learner
 from services.learner.servicer import LearnerServicer
+from services.transports.chunk_wire import FETCH_PATH, PreEncodedResponses
 
 
 class LearnerApp:
@@ -38,7 +39,8 @@ class LearnerApp:
         self.learner.bound_port = port
 
     def register(self, server: grpc.aio.Server) -> None:
-        learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(self.learner), server)
+        server_view = PreEncodedResponses(server, [FETCH_PATH])  # FetchWeights yields wire bytes
+        learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(self.learner), server_view)
 
     async def start(self) -> None:
         await self.learner.start()

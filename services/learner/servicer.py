@@ -74,10 +74,11 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             weight_version=transports.describe(prepared), prepare_ms=prepare_ms
         )
 
-    async def FetchWeights(self, request, context) -> AsyncIterator[learner_pb2.FetchWeightsResponse]:
-        async for bucket, offset, data in self.learner.fetch_chunks(request.version, list(request.buckets)):
-            chunk = types_pb2.WeightChunk(version=request.version, bucket=bucket, offset=offset, data=data)
-            yield learner_pb2.FetchWeightsResponse(chunk=chunk)
+    async def FetchWeights(self, request, context) -> AsyncIterator[bytes]:
+        # FetchWeightsResponse messages already in wire form (chunk_wire: no copies through protobuf);
+        # server.py registers this method to send them as they are
+        async for message in self.learner.fetch_chunks(request.version, list(request.buckets)):
+            yield message
 
     async def ReleaseWeights(self, request, context) -> learner_pb2.ReleaseWeightsResponse:
         await self.learner.release_weights(request.version)

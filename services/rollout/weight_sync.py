@@ -94,3 +94,4 @@ class WeightStager:
         if self._staged is not None:
             self._staged.release()
             self._staged = None
+        transports.close_all()  # e.g. grpc_stream's spare receive segment

@@ -170,6 +170,9 @@ class WeightTransport(abc.ABC):
     async def stage(self, target: StageTarget, ctx: StageContext) -> Staged:
         """Fetch or attach the bytes of `target` and verify every bucket checksum; change nothing else."""
 
+    def close(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Free what the rollout half keeps between versions in this process (default: nothing)."""
+
     # ---- engine half
     def worker_op(self, op: str, spec: dict[str, Any], worker: WorkerContext) -> dict[str, Any]:
         """A transport operation inside one worker (plain data in and out). Default: none exist."""

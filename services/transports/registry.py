@@ -61,6 +61,12 @@ def get(kind: TransportKind | str) -> WeightTransport:
     return TRANSPORTS[kind]
 
 
+def close_all() -> None:
+    """Free what every transport's rollout half keeps between versions (at the rollout's shutdown)."""
+    for transport in TRANSPORTS.values():
+        transport.close()
+
+
 def describe(prepared: Prepared) -> types_pb2.WeightVersion:
     """The WeightVersion message of a prepared version: manifest, checksums and its transport field."""
     message = types_pb2.WeightVersion(version=prepared.version, parent_version=prepared.version - 1)

@@ -9,6 +9,7 @@ exercised end to end without depending on the learner service package.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -80,20 +81,27 @@ class Packed:
         return segment
 
 
+Tamper = Callable[[list[types_pb2.WeightChunk]], list[types_pb2.WeightChunk]]
+
+
 class _FetchServicer(learner_pb2_grpc.LearnerServiceServicer):
     def __init__(self) -> None:
         self.versions: dict[int, Packed] = {}
         self.corrupt: set[int] = set()
+        self.tamper: dict[int, Tamper] = {}  # version -> what a faulty learner does to its chunk list
 
     async def FetchWeights(self, request, context):
         packed = self.versions.get(request.version)
         if packed is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"version {request.version} is not prepared")
+        chunks = []
         for bucket, offset, size in W.chunk_ranges(packed.manifest.buckets):
             data = bytes(packed.data[offset : offset + size])
             if request.version in self.corrupt and offset == 0:
                 data = bytes([data[0] ^ 0xFF]) + data[1:]
             chunk = types_pb2.WeightChunk(version=request.version, bucket=bucket, offset=offset, data=data)
+            chunks.append(chunk)
+        for chunk in self.tamper[request.version](chunks) if request.version in self.tamper else chunks:
             yield learner_pb2.FetchWeightsResponse(chunk=chunk)
 
 
@@ -116,11 +124,15 @@ class WeightsServer:
     async def __aexit__(self, *exc) -> None:
         await self.server.stop(None)
 
-    def publish(self, version: int, packed: Packed, corrupt: bool = False) -> types_pb2.WeightVersion:
+    def publish(
+        self, version: int, packed: Packed, corrupt: bool = False, tamper: Tamper | None = None
+    ) -> types_pb2.WeightVersion:
         """Serve `packed` as `version`; returns the WeightVersion for the grpc_stream transport."""
         self.servicer.versions[version] = packed
         if corrupt:
             self.servicer.corrupt.add(version)
+        if tamper is not None:
+            self.servicer.tamper[version] = tamper
         message = packed.weight_version(version)
         message.grpc_stream.address = self.address
         message.grpc_stream.chunk_bytes = W.CHUNK_BYTES

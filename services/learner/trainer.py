@@ -23,7 +23,12 @@ from services.common.logging import get_logger
 from services.common.weights import dtype_from_name
 from services.learner import checkpoint as ckpt
 from services.learner.batching import MicroBatch, Sample, collate, global_norm, micro_batches
-from services.learner.config import LearnerSettings, OptimConfig
+from services.learner.config import (
+    ACCELERATOR_MICRO_BATCH_TOKENS,
+    CPU_MICRO_BATCH_TOKENS,
+    LearnerSettings,
+    OptimConfig,
+)
 from services.learner.losses import LossStats, policy_loss
 from services.learner.model import (
     autocast,
@@ -70,6 +75,9 @@ class Trainer:
         random.seed(settings.seed)
         self.device = resolve_device(settings.device)
         self.compute_dtype = resolve_compute_dtype(settings.dtype, self.device)
+        self.token_budget = settings.micro_batch_tokens or (
+            CPU_MICRO_BATCH_TOKENS if self.device.type == "cpu" else ACCELERATOR_MICRO_BATCH_TOKENS
+        )
         export_dtype = settings.publish.export_dtype
         self.export_dtype = None if export_dtype == "auto" else dtype_from_name(export_dtype)
         self.model = load_policy(settings.model, self.device, settings.lora, settings.gradient_checkpointing)
@@ -108,7 +116,7 @@ class Trainer:
         norm = global_norm(samples)
         stats = LossStats()
         loss_total, entropy_sum = 0.0, 0.0
-        mbs = micro_batches(samples, token_budget or self.settings.micro_batch_tokens)
+        mbs = micro_batches(samples, token_budget or self.token_budget)
         self.model.train()
         try:
             for mb in mbs:

@@ -13,6 +13,7 @@ from services.common.advantages import LossKind
 from services.learner.batching import Sample, collate, plan_micro_batches
 from services.learner.checkpoint import list_checkpoints
 from services.learner.config import (
+    CPU_MICRO_BATCH_TOKENS,
     CheckpointConfig,
     LearnerSettings,
     LoraConfig,
@@ -76,6 +77,16 @@ def test_grad_accumulation_equals_one_big_batch_for_every_objective(micro_model_
         assert small["loss"] == pytest.approx(big["loss"], rel=1e-5, abs=1e-7), kind
         for a, b in zip(grads(trainer), full, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_the_micro_batch_budget_follows_the_device_unless_set(micro_model_dir, make_samples):
+    by_device = make_trainer(micro_model_dir)
+    assert by_device.token_budget == CPU_MICRO_BATCH_TOKENS
+    samples = make_samples(9, seed=1)
+    assert by_device.accumulate_gradients(samples)["micro_batches"] == 1  # 9 short samples fit in 512
+    small = make_trainer(micro_model_dir, micro_batch_tokens=12)
+    assert small.token_budget == 12
+    assert small.accumulate_gradients(samples)["micro_batches"] >= 4
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(micro_model_dir, make_samples):

@@ -22,7 +22,8 @@ generating and scoring), and the ratio grpo-mesh / TRL of steps/s — above 1.0 
 
 By default grpo-mesh runs as `make demo` does (`--cpus split`: the rollout gets half the cores and the
 learner the other half, so vLLM's core-bound OpenMP threads and torch's pool never share a core);
-`--cpus shared` lets every service use every core, to measure what the split buys.
+`--cpus shared` lets every service use every core, to measure what the split buys. Under the split the
+learner borrows the rollout's cores while the rollout has nothing in flight; `--no-lend` turns that off.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def run_mesh(args: argparse.Namespace) -> dict:
         "--engine",
         args.engine,
     ]
-    command += ["--cpus", args.cpus]
+    command += ["--cpus", args.cpus, "--lend-idle-cores", str(not args.no_lend).lower()]
     started = time.perf_counter()
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     total = time.perf_counter() - started
@@ -192,6 +193,8 @@ def run_mesh(args: argparse.Namespace) -> dict:
         "generation_s": statistics.median(gen) if gen else float("nan"),
         "train_s": train / steps,
         "sync_s": statistics.median(r.get("sync_ms", 0.0) for r in steady) / 1e3,
+        "borrowed": sum(r.get("learner/borrowed_micro_batches", 0.0) for r in steady)
+        / max(1.0, sum(r.get("learner/micro_batches", 0.0) for r in steady)),
         "completion_len": statistics.mean(r["learner/completion_len_mean"] for r in rows),
         "reward_first": rows[0]["reward_mean"],
         "reward_last": rows[-1]["reward_mean"],
@@ -208,6 +211,7 @@ def side_command(args: argparse.Namespace, side: str) -> list[str]:
     flags += ["--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size)]
     flags += ["--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--transport", args.transport]
     flags += ["--seed", str(args.seed), "--engine", args.engine, "--cpus", args.cpus]
+    flags += ["--no-lend"] if args.no_lend else []
     return [sys.executable, str(Path(__file__).resolve()), *flags]
 
 
@@ -265,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         "--engine", default="vllm", choices=["vllm", "transformers"], help="grpo-mesh rollout engine."
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-lend",
+        action="store_true",
+        help="Under --cpus split, keep the rollout's cores from the learner even while it is idle.",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="Rounds; sides alternate in order.")
     parser.add_argument(
         "--cpus",
@@ -293,7 +302,12 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             print(
                 f"round {round_ + 1} {side:>10}: {result['steps_per_s']:.3f} steps/s, "
-                f"idle {result['learner_idle']:.2f}, wall {result['wall_s']:.0f} s",
+                f"idle {result['learner_idle']:.2f}, wall {result['wall_s']:.0f} s"
+                + (
+                    f", micro-batches on borrowed cores {result['borrowed']:.0%}"
+                    if "borrowed" in result
+                    else ""
+                ),
                 flush=True,
             )
     summary = summarize(results)

@@ -6,12 +6,21 @@ rollout. Each parallel op then waits for its slowest thread, which is the one sh
 other process, so both run several times slower than either alone. Giving each service a disjoint
 set of cores removes that: the affinity is inherited by the service's threads and by the processes it
 starts (vLLM's engine and workers bind only to allowed cores), and torch sizes its pool to the set.
+
+A split leaves the rollout's cores idle whenever it has nothing to generate (a learner-bound run waits
+for the learner most of each step). Those cores are lent: the rollout keeps a one-byte busy file at
+"1" while requests are in flight (`BusyFile`), and the learner's model thread widens itself and torch's
+pool to the rollout's cores before each micro-batch that starts while every lender is idle
+(`CoreBorrower`). A rollout that wakes up mid-micro-batch shares its core for the rest of that
+micro-batch only; a missing or unreadable busy file counts as busy.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from services.common.logging import get_logger
 
@@ -78,3 +87,69 @@ def apply_cpu_affinity(spec: str) -> None:
 
         torch.set_num_threads(len(cores))
     log.info("cpu affinity set", cpus=format_cpu_list(cores), threads=len(cores))
+
+
+class BusyFile:
+    """The lender's side: a one-byte file that reads "1" while this process has work in flight."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._busy: bool | None = None
+        self.set(False)
+
+    def set(self, busy: bool) -> None:
+        """Write the state if it changed (one pwrite of a page-cached byte: microseconds)."""
+        if busy != self._busy and self._fd >= 0:
+            os.pwrite(self._fd, b"1" if busy else b"0", 0)
+            self._busy = busy
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def lender_idle(path: Path) -> bool:
+    """Whether the lender behind `path` says it is idle; anything but a readable "0" counts as busy."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(1) == b"0"
+    except OSError:
+        return False
+
+
+class CoreBorrower:
+    """The learner's side: borrow `lent` cores for the calling thread while every lender is idle.
+
+    `borrow()` and `give_back()` change the calling thread's affinity and torch's intra-op pool (both
+    per thread), so call them on the thread that runs the model. Threads torch's pool started while
+    borrowing keep the wider affinity but sleep while the pool is back to `own`'s size.
+    """
+
+    def __init__(self, own: frozenset[int], lent: frozenset[int], busy_files: Sequence[Path]) -> None:
+        if not own or not lent or not busy_files:
+            raise ValueError("borrowing needs the learner's own cores, the lent cores and a busy file")
+        self.own = own
+        self.wide = own | lent
+        self.busy_files = tuple(busy_files)
+        self._current: frozenset[int] | None = None
+
+    def borrow(self) -> bool:
+        """Use own ∪ lent cores if every lender is idle now, else own; returns whether it borrowed."""
+        idle = all(lender_idle(path) for path in self.busy_files)
+        self._use(self.wide if idle else self.own)
+        return idle
+
+    def give_back(self) -> None:
+        self._use(self.own)
+
+    def _use(self, cores: frozenset[int]) -> None:
+        if cores == self._current:
+            return
+        import torch
+
+        os.sched_setaffinity(0, cores)  # 0 = the calling thread
+        torch.set_num_threads(len(cores))
+        self._current = cores

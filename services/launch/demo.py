@@ -75,6 +75,11 @@ class DemoSettings(BaseSettings):
         "rollout its own share when there are enough), so their thread pools never fight over a core; "
         "shared: every service may use every core.",
     )
+    lend_idle_cores: bool = Field(
+        default=True,
+        description="Under split, the learner borrows the rollouts' cores for each micro-batch that starts "
+        "while no rollout has a request in flight (services/common/cpus.py).",
+    )
     env: str = Field(
         default="arithmetic", description="Environment spec (built-in name, module:Class, file.py:Class)."
     )
@@ -199,7 +204,8 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
 def core_plan(cfg: DemoSettings) -> tuple[dict[str, str], list[dict[str, str]]]:
     """`GRPO_<SVC>__CPUS` for the learner and each rollout: disjoint halves of the cores under `split`
     (rollouts share theirs when there are more rollouts than cores), nothing under `shared` or on a
-    single core. The env and scheduler stay unpinned: they are light and mostly wait."""
+    single core. The env and scheduler stay unpinned: they are light and mostly wait. With
+    `lend_idle_cores`, each rollout keeps a busy file and the learner borrows the rollouts' cores."""
     cores = sorted(os.sched_getaffinity(0))
     if cfg.cpus == "shared" or len(cores) < 2:
         return {}, [{} for _ in range(cfg.rollouts)]
@@ -209,7 +215,14 @@ def core_plan(cfg: DemoSettings) -> tuple[dict[str, str], list[dict[str, str]]]:
     else:
         shares = [rollout_cores] * cfg.rollouts
     learner = {"GRPO_LEARNER__CPUS": format_cpu_list(learner_cores)}
-    return learner, [{"GRPO_ROLLOUT__CPUS": format_cpu_list(share)} for share in shares]
+    rollouts = [{"GRPO_ROLLOUT__CPUS": format_cpu_list(share)} for share in shares]
+    if cfg.lend_idle_cores:
+        busy_files = [str(cfg.run_dir.resolve() / f"rollout-{i}.busy") for i in range(cfg.rollouts)]
+        for rollout, busy_file in zip(rollouts, busy_files, strict=True):
+            rollout["GRPO_ROLLOUT__BUSY_FILE"] = busy_file
+        learner["GRPO_LEARNER__BORROW__CPUS"] = format_cpu_list(rollout_cores)
+        learner["GRPO_LEARNER__BORROW__BUSY_FILES"] = json.dumps(busy_files)
+    return learner, rollouts
 
 
 async def follow(

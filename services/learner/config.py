@@ -15,6 +15,7 @@ read (trainer.py hands model.py, losses.py and checkpoint.py the values or secti
                                                                                `PublishContext`
     [learner.checkpoint]  atomic checkpoints and resume (--checkpoint.dir)   → trainer.py; dir also
                                                                                learner.py (stop)
+    [learner.borrow]      an idle co-located rollout's cores (--borrow.cpus)  → trainer.py
 """
 
 from __future__ import annotations
@@ -169,6 +170,28 @@ class PublishConfig(_Section):
     )
 
 
+class BorrowConfig(_Section):
+    """Cores a co-located rollout lends while it is idle (services/common/cpus.py explains the scheme)."""
+
+    cpus: str = Field(
+        default="",
+        description="Cores the learner may use besides its own `cpus` for each micro-batch that starts "
+        "while every file in busy_files reads idle, e.g. the rollout's '0'; empty = never borrow.",
+    )
+    busy_files: list[Path] = Field(
+        default_factory=list,
+        description="The `busy_file` of each rollout on those cores (the demo sets both sides).",
+    )
+
+    @model_validator(mode="after")
+    def _complete(self) -> BorrowConfig:
+        from services.common.cpus import parse_cpu_list
+
+        if bool(parse_cpu_list(self.cpus)) != bool(self.busy_files):
+            raise ValueError("borrow.cpus and borrow.busy_files go together: set both or neither")
+        return self
+
+
 class CheckpointConfig(_Section):
     """Atomic checkpoints (also written on SIGTERM) and exact resume."""
 
@@ -221,3 +244,14 @@ class LearnerSettings(ServiceSettings):
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpoints ([learner.checkpoint])."
     )
+    borrow: BorrowConfig = Field(
+        default_factory=BorrowConfig, description="Borrowing an idle rollout's cores ([learner.borrow])."
+    )
+
+    @model_validator(mode="after")
+    def _borrow_needs_own_cores(self) -> LearnerSettings:
+        if self.borrow.cpus and not self.cpus:
+            raise ValueError(
+                "borrow.cpus needs the learner's own cpus: without them it already uses every core"
+            )
+        return self

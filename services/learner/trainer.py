@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.cpus import CoreBorrower, parse_cpu_list
 from services.common.logging import get_logger
 from services.common.weights import dtype_from_name
 from services.learner import checkpoint as ckpt
@@ -78,6 +79,10 @@ class Trainer:
         self.token_budget = settings.micro_batch_tokens or (
             CPU_MICRO_BATCH_TOKENS if self.device.type == "cpu" else ACCELERATOR_MICRO_BATCH_TOKENS
         )
+        self.borrower = None
+        if settings.borrow.cpus and self.device.type == "cpu":
+            own, lent = parse_cpu_list(settings.cpus), parse_cpu_list(settings.borrow.cpus)
+            self.borrower = CoreBorrower(own, lent - own, settings.borrow.busy_files)
         export_dtype = settings.publish.export_dtype
         self.export_dtype = None if export_dtype == "auto" else dtype_from_name(export_dtype)
         self.model = load_policy(settings.model, self.device, settings.lora, settings.gradient_checkpointing)
@@ -111,15 +116,18 @@ class Trainer:
         """Forward/backward every micro-batch of `samples`; gradients end up in `.grad` (not zeroed first).
 
         Each micro-batch loss is divided by the global counts of `samples`, so the accumulated gradient
-        equals the one-big-batch gradient of the objective whatever `token_budget` is.
+        equals the one-big-batch gradient of the objective whatever `token_budget` is. With a borrower,
+        each micro-batch that starts while the co-located rollouts are idle also runs on their cores.
         """
         norm = global_norm(samples)
         stats = LossStats()
         loss_total, entropy_sum = 0.0, 0.0
         mbs = micro_batches(samples, token_budget or self.token_budget)
+        borrowed = 0
         self.model.train()
         try:
             for mb in mbs:
+                borrowed += self.borrower.borrow() if self.borrower else 0
                 mb = mb.to(self.device)
                 with autocast(self.device, self.compute_dtype):
                     logp, entropy = token_logprobs(self.model, mb, with_entropy=True)  # [B, T]
@@ -131,12 +139,15 @@ class Trainer:
                 stats.add(out.stats)
         finally:
             self.model.eval()
+            if self.borrower:
+                self.borrower.give_back()
         return {
             "loss": loss_total,
             "entropy": entropy_sum / max(norm.num_tokens, 1),
             "num_seqs": float(norm.num_seqs),
             "num_tokens": float(norm.num_tokens),
             "micro_batches": float(len(mbs)),
+            "borrowed_micro_batches": float(borrowed),
             **stats.finalize(),
         }
 

@@ -10,6 +10,7 @@ The engines read these models directly; nothing is copied into a second set of o
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -127,6 +128,12 @@ class RolloutSettings(ServiceSettings):
     )
     tokenize_threads: int = Field(
         default=2, ge=1, description="Threads that tokenize prompts off the event loop."
+    )
+    busy_file: Path | None = Field(
+        default=None,
+        description="A host-local file this rollout keeps at '1' while Generate requests are in flight and "
+        "'0' otherwise, so a learner on the same host borrows its cores while it is idle (the learner's "
+        "[learner.borrow]; the demo sets both); unset = none.",
     )
     limits: RequestLimits = Field(
         default_factory=RequestLimits, description="Request bounds ([rollout.limits])."

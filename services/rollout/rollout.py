@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common import validation as check
+from services.common.cpus import BusyFile
 from services.common.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
 from services.rollout.config import RolloutSettings
@@ -106,6 +107,7 @@ class Rollout:
         self._vocab_size = 0
         self._status = Status.LOADING
         self._in_flight: set[str] = set()
+        self._busy = BusyFile(settings.busy_file) if settings.busy_file else None
         self._tokens_generated = 0
         self._commit_lock = asyncio.Lock()
 
@@ -141,6 +143,9 @@ class Rollout:
         await self._engine.stop()
         self._stager.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if self._busy:
+            self._busy.set(False)
+            self._busy.close()
 
     # ------------------------------------------------------------------ generation
     def _tokenize(self, prompt: PromptInput) -> list[int]:
@@ -198,6 +203,8 @@ class Rollout:
         self._admit(request_id)  # UNAVAILABLE while loading: the context length is known after it
         validate_sampling(sampling, limits, self._engine.max_model_len)
         self._in_flight.add(request_id)
+        if self._busy:
+            self._busy.set(True)
         try:
             prompt_ids = await self.tokenize(prompt)
             prompt_tuple = tuple(prompt_ids)  # once per request, shared by its completions
@@ -206,6 +213,8 @@ class Rollout:
                 yield Generated(prompt.prompt_id, prompt_tuple, sampling, completion)
         finally:
             self._in_flight.discard(request_id)
+            if self._busy and not self._in_flight:
+                self._busy.set(False)
 
     async def score(
         self, prompt_ids: list[int], completion_ids: list[int], temperature: float

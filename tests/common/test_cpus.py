@@ -5,12 +5,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.common.cpus import format_cpu_list, parse_cpu_list, split_cores
+from services.common.cpus import (
+    BusyFile,
+    CoreBorrower,
+    format_cpu_list,
+    lender_idle,
+    parse_cpu_list,
+    split_cores,
+)
 from services.learner.config import LearnerSettings
 
 
@@ -84,3 +93,59 @@ def test_apply_refuses_cores_the_process_may_not_use() -> None:
     missing = max(os.sched_getaffinity(0)) + 1
     with pytest.raises(ValueError, match="not available"):
         apply_cpu_affinity(str(missing))
+
+
+# ---------------------------------------------------------------- lending idle cores
+
+
+def test_a_busy_file_reads_idle_only_when_it_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "rollout-0.busy"
+    assert not lender_idle(path)  # no lender yet: busy, so nothing is borrowed
+    busy = BusyFile(path)
+    assert lender_idle(path)
+    busy.set(True)
+    assert not lender_idle(path)
+    busy.set(False)
+    assert lender_idle(path)
+    busy.set(True)
+    busy.close()  # a lender that died while busy stays busy
+    assert not lender_idle(path)
+    path.write_bytes(b"x")
+    assert not lender_idle(path)
+
+
+def test_the_borrower_widens_only_its_own_thread_while_the_lender_is_idle(tmp_path: Path) -> None:
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    own, lent = frozenset(cores[1:2]), frozenset(cores[:1])
+    busy = BusyFile(tmp_path / "r.busy")
+    borrower = CoreBorrower(own, lent, [busy.path])
+    seen: list[tuple[bool, set[int], int]] = []
+    main_affinity, main_threads = os.sched_getaffinity(0), torch.get_num_threads()
+
+    def model_thread() -> None:
+        for state in (False, True, False):
+            busy.set(state)
+            borrowed = borrower.borrow()
+            seen.append((borrowed, os.sched_getaffinity(0), torch.get_num_threads()))
+        borrower.give_back()
+        seen.append((False, os.sched_getaffinity(0), torch.get_num_threads()))
+
+    thread = threading.Thread(target=model_thread)
+    thread.start()
+    thread.join()
+    assert seen == [(True, own | lent, 2), (False, own, 1), (True, own | lent, 2), (False, own, 1)]
+    assert os.sched_getaffinity(0) == main_affinity  # the caller's thread only
+    assert torch.get_num_threads() == main_threads
+
+
+def test_borrowing_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="go together"):
+        LearnerSettings.load(model="m", cpus="1", borrow={"cpus": "0"})
+    with pytest.raises(ValueError, match="needs the learner's own cpus"):
+        LearnerSettings.load(model="m", borrow={"cpus": "0", "busy_files": ["/tmp/x.busy"]})
+    with pytest.raises(ValueError, match="borrowing needs"):
+        CoreBorrower(frozenset({1}), frozenset(), [Path("x")])

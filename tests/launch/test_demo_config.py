@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from services.launch.demo import DemoSettings, core_plan, run_config
+from services.learner.config import LearnerSettings
+from services.rollout.config import RolloutSettings
 
 
 def _cores(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
@@ -15,18 +18,36 @@ def _cores(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
 
 def test_split_gives_learner_and_rollout_disjoint_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     _cores(monkeypatch, 2)
-    learner, rollouts = core_plan(DemoSettings())
+    learner, rollouts = core_plan(DemoSettings(lend_idle_cores=False))
     assert learner == {"GRPO_LEARNER__CPUS": "1"}
     assert rollouts == [{"GRPO_ROLLOUT__CPUS": "0"}]
 
 
 def test_rollouts_get_their_own_share_when_there_are_enough_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     _cores(monkeypatch, 8)
-    learner, rollouts = core_plan(DemoSettings(rollouts=2))
+    learner, rollouts = core_plan(DemoSettings(rollouts=2, lend_idle_cores=False))
     assert learner == {"GRPO_LEARNER__CPUS": "4-7"}
     assert rollouts == [{"GRPO_ROLLOUT__CPUS": "0,2"}, {"GRPO_ROLLOUT__CPUS": "1,3"}]
     _cores(monkeypatch, 2)
-    assert core_plan(DemoSettings(rollouts=3))[1] == [{"GRPO_ROLLOUT__CPUS": "0"}] * 3
+    plan = core_plan(DemoSettings(rollouts=3, lend_idle_cores=False))
+    assert plan[1] == [{"GRPO_ROLLOUT__CPUS": "0"}] * 3
+
+
+def test_the_learner_borrows_every_rollouts_cores_through_their_busy_files(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _cores(monkeypatch, 8)
+    learner, rollouts = core_plan(DemoSettings(rollouts=2, run_dir=tmp_path))
+    busy = [str(tmp_path / "rollout-0.busy"), str(tmp_path / "rollout-1.busy")]
+    assert [r["GRPO_ROLLOUT__BUSY_FILE"] for r in rollouts] == busy
+    assert learner["GRPO_LEARNER__BORROW__CPUS"] == "0-3"
+    for name, value in learner.items():
+        monkeypatch.setenv(name, value)
+    settings = LearnerSettings.load(model="m")  # the learner reads exactly what the launcher sets
+    assert settings.cpus == "4-7" and settings.borrow.cpus == "0-3"
+    assert settings.borrow.busy_files == [Path(p) for p in busy]
+    monkeypatch.setenv("GRPO_ROLLOUT__BUSY_FILE", busy[1])
+    assert RolloutSettings.load(model="m").busy_file == Path(busy[1])
 
 
 def test_shared_or_single_core_pins_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,10 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.common.advantages import LossKind
+from services.common.cpus import BusyFile
 from services.learner.batching import Sample, collate, plan_micro_batches
 from services.learner.checkpoint import list_checkpoints
 from services.learner.config import (
     CPU_MICRO_BATCH_TOKENS,
+    BorrowConfig,
     CheckpointConfig,
     LearnerSettings,
     LoraConfig,
@@ -87,6 +91,31 @@ def test_the_micro_batch_budget_follows_the_device_unless_set(micro_model_dir, m
     small = make_trainer(micro_model_dir, micro_batch_tokens=12)
     assert small.token_budget == 12
     assert small.accumulate_gradients(samples)["micro_batches"] >= 4
+
+
+def test_micro_batches_borrow_the_rollouts_cores_only_while_it_is_idle(
+    micro_model_dir, make_samples, tmp_path
+):
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    busy = BusyFile(tmp_path / "rollout-0.busy")
+    borrow = BorrowConfig(cpus=str(cores[0]), busy_files=[busy.path])
+    trainer = make_trainer(micro_model_dir, cpus=str(cores[1]), borrow=borrow, micro_batch_tokens=12)
+    samples = make_samples(9, seed=1)
+    counts: list[tuple[float, float]] = []
+
+    def model_thread() -> None:  # the borrower changes the calling thread's affinity: not pytest's
+        for state in (False, True):
+            busy.set(state)
+            out = trainer.accumulate_gradients(samples)
+            counts.append((out["borrowed_micro_batches"], out["micro_batches"]))
+
+    thread = threading.Thread(target=model_thread)
+    thread.start()
+    thread.join()
+    (idle_borrowed, idle_total), (busy_borrowed, _) = counts
+    assert idle_total >= 4 and idle_borrowed == idle_total and busy_borrowed == 0
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(micro_model_dir, make_samples):

@@ -16,9 +16,12 @@ from transports.support import Packed, WeightsServer, model_with_state, perturbe
 from grpo.common.v1 import types_pb2
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.clients import open_channel
+from services.common.cpus import lender_idle
 from services.common.serve import start_server
 from services.rollout.config import RolloutSettings
+from services.rollout.engine import Sampling
 from services.rollout.server import RolloutApp
+from services.rollout.validation import PromptInput
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TIMEOUT = 60.0
@@ -307,3 +310,25 @@ async def _check_sync_errors(server: Running, learner: WeightsServer, state) -> 
     await server.stub.AbortWeights(rollout_pb2.AbortWeightsRequest(version=6), timeout=TIMEOUT)
     state_now = await server.state()
     assert (state_now.staged_version, state_now.weight_version) == (-1, 2)
+
+
+async def test_the_busy_file_reads_busy_exactly_while_requests_are_in_flight(
+    tiny_model_dir: Path, tmp_path
+) -> None:
+    busy_file = tmp_path / "rollout-0.busy"
+    started = await _start(settings_for(tiny_model_dir, busy_file=busy_file))
+    try:
+        assert lender_idle(busy_file)
+        stream = started.app.rollout.generate(
+            "r1", PromptInput("p", text="12+34="), Sampling(n=2, max_tokens=4)
+        )
+        await anext(stream)  # suspended between its completions: the request is in flight
+        assert not lender_idle(busy_file)
+        assert len([c async for c in stream]) == 1
+        assert lender_idle(busy_file)
+        await started.generate(
+            _text_prompt(), n=2, max_tokens=4, temperature=1.0
+        )  # over gRPC too: idle once done
+        assert lender_idle(busy_file)
+    finally:
+        await _close(started)

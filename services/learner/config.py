@@ -28,6 +28,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.advantages import LossKind
 from services.common.config import ServiceSettings
+from services.common.cpus import parse_cpu_list
 from services.common.weights import CHUNK_BYTES, DEFAULT_BUCKET_BYTES
 
 # Padded tokens per micro-batch when `micro_batch_tokens` is 0 (by device). On CPU, smaller micro-batches
@@ -185,8 +186,6 @@ class BorrowConfig(_Section):
 
     @model_validator(mode="after")
     def _complete(self) -> BorrowConfig:
-        from services.common.cpus import parse_cpu_list
-
         if bool(parse_cpu_list(self.cpus)) != bool(self.busy_files):
             raise ValueError("borrow.cpus and borrow.busy_files go together: set both or neither")
         return self
@@ -254,4 +253,6 @@ class LearnerSettings(ServiceSettings):
             raise ValueError(
                 "borrow.cpus needs the learner's own cpus: without them it already uses every core"
             )
+        if self.borrow.cpus and parse_cpu_list(self.borrow.cpus) <= parse_cpu_list(self.cpus):
+            raise ValueError(f"borrow.cpus {self.borrow.cpus} adds no core to the learner's cpus {self.cpus}")
         return self

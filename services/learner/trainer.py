@@ -81,8 +81,10 @@ class Trainer:
         )
         self.borrower = None
         if settings.borrow.cpus and self.device.type == "cpu":
-            own, lent = parse_cpu_list(settings.cpus), parse_cpu_list(settings.borrow.cpus)
-            self.borrower = CoreBorrower(own, lent - own, settings.borrow.busy_files)
+            own = parse_cpu_list(settings.cpus)  # validated: borrow.cpus adds at least one core
+            self.borrower = CoreBorrower(
+                own, parse_cpu_list(settings.borrow.cpus) - own, settings.borrow.busy_files
+            )
         export_dtype = settings.publish.export_dtype
         self.export_dtype = None if export_dtype == "auto" else dtype_from_name(export_dtype)
         self.model = load_policy(settings.model, self.device, settings.lora, settings.gradient_checkpointing)

@@ -147,5 +147,7 @@ def test_borrowing_settings_are_checked() -> None:
         LearnerSettings.load(model="m", cpus="1", borrow={"cpus": "0"})
     with pytest.raises(ValueError, match="needs the learner's own cpus"):
         LearnerSettings.load(model="m", borrow={"cpus": "0", "busy_files": ["/tmp/x.busy"]})
+    with pytest.raises(ValueError, match="adds no core"):
+        LearnerSettings.load(model="m", cpus="0-1", borrow={"cpus": "1", "busy_files": ["/tmp/x.busy"]})
     with pytest.raises(ValueError, match="borrowing needs"):
         CoreBorrower(frozenset({1}), frozenset(), [Path("x")])

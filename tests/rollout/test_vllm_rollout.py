@@ -23,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
+import psutil
 import pytest
 import torch
 from transports.support import Packed, WeightsServer, model_with_state, perturbed_state, reference_logprobs
@@ -36,6 +37,9 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120.0
 START_TIMEOUT = 420.0
 ATOL = 1e-4
+
+
+SERVER_PIDS: dict[str, int] = {}  # address -> pid of the rollout process serving it
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +63,9 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
                 pytest.fail(f"rollout server did not start:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.5)
         print(f"vLLM rollout ready in {time.monotonic() - started:.1f} s")
-        yield f"127.0.0.1:{port_file.read_text().strip()}"
+        address = f"127.0.0.1:{port_file.read_text().strip()}"
+        SERVER_PIDS[address] = process.pid
+        yield address
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -151,6 +157,14 @@ async def test_vllm_generates_with_processed_logprobs_and_version_spans(
         assert state.engine == "vllm" and state.status == rollout_pb2.ROLLOUT_STATUS_READY
         assert state.weight_version == 0
         await check_policy(stub, reference_model, version=0)
+
+
+def test_vllm_runs_its_one_worker_inside_the_engine_core(vllm_server: str) -> None:
+    """`executor = auto` with one worker is vLLM's uni executor: the rollout starts an engine-core
+    process and no worker process (an mp worker and its engine core busy-poll each other)."""
+    titles = [" ".join(child.cmdline()) for child in psutil.Process(SERVER_PIDS[vllm_server]).children(True)]
+    assert any("VLLM::EngineCore" in title for title in titles), titles
+    assert not any("VLLM::Worker" in title for title in titles), titles
 
 
 async def test_vllm_text_is_vllms_own_with_and_without_stop_strings(

@@ -89,6 +89,24 @@ def apply_cpu_affinity(spec: str) -> None:
     log.info("cpu affinity set", cpus=format_cpu_list(cores), threads=len(cores))
 
 
+def move_process_threads(spec: str) -> None:
+    """Move every thread of this process to the cores in `spec` ('' leaves them alone); threads it
+    starts later inherit that. Processes it has already started keep their cores: a rollout moves its
+    own front end (gRPC, tokenization, vLLM's output processing) off the cores of its engine process.
+    """
+    cores = parse_cpu_list(spec)
+    if not cores:
+        return
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+        except OSError as exc:
+            raise ValueError(f"cannot move this process to cores {spec}: {exc}") from exc
+    log.info("process threads moved", cpus=format_cpu_list(cores))
+
+
 class BusyFile:
     """The lender's side: a one-byte file that reads "1" while this process has work in flight."""
 

@@ -204,8 +204,10 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
 def core_plan(cfg: DemoSettings) -> tuple[dict[str, str], list[dict[str, str]]]:
     """`GRPO_<SVC>__CPUS` for the learner and each rollout: disjoint halves of the cores under `split`
     (rollouts share theirs when there are more rollouts than cores), nothing under `shared` or on a
-    single core. The env and scheduler stay unpinned: they are light and mostly wait. With
-    `lend_idle_cores`, each rollout keeps a busy file and the learner borrows the rollouts' cores."""
+    single core. The env and scheduler stay unpinned: they are light and mostly wait; so does each
+    rollout's own process once its vLLM engine runs (`service_cpus`: every core), leaving the engine
+    its cores alone. With `lend_idle_cores`, each rollout keeps a busy file and the learner borrows
+    the rollouts' cores."""
     cores = sorted(os.sched_getaffinity(0))
     if cfg.cpus == "shared" or len(cores) < 2:
         return {}, [{} for _ in range(cfg.rollouts)]
@@ -215,7 +217,11 @@ def core_plan(cfg: DemoSettings) -> tuple[dict[str, str], list[dict[str, str]]]:
     else:
         shares = [rollout_cores] * cfg.rollouts
     learner = {"GRPO_LEARNER__CPUS": format_cpu_list(learner_cores)}
-    rollouts = [{"GRPO_ROLLOUT__CPUS": format_cpu_list(share)} for share in shares]
+    everything = format_cpu_list(set(cores))
+    rollouts = [
+        {"GRPO_ROLLOUT__CPUS": format_cpu_list(share), "GRPO_ROLLOUT__SERVICE_CPUS": everything}
+        for share in shares
+    ]
     if cfg.lend_idle_cores:
         busy_files = [str(cfg.run_dir.resolve() / f"rollout-{i}.busy") for i in range(cfg.rollouts)]
         for rollout, busy_file in zip(rollouts, busy_files, strict=True):

@@ -115,6 +115,10 @@ class RolloutEngine(abc.ABC):
         never generates on bytes that change under it. Engines that always copy have nothing to do.
         """
 
+    #: Whether the model computes in the rollout's own process (its threads) rather than in processes
+    #: the engine starts; only then must the rollout process keep the engine's cores (`service_cpus`).
+    computes_in_process: bool = True
+
     @property
     @abc.abstractmethod
     def weight_workers(self) -> int:

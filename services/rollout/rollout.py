@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common import validation as check
-from services.common.cpus import BusyFile
+from services.common.cpus import BusyFile, move_process_threads
 from services.common.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
 from services.rollout.config import RolloutSettings
@@ -133,6 +133,8 @@ class Rollout:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._tokenize_pool, self._load_tokenizer)
         await self._engine.start()
+        if self.settings.service_cpus and not self._engine.computes_in_process:
+            move_process_threads(self.settings.service_cpus)  # the engine's processes keep `cpus`
         self._status = Status.READY
         log.info(
             "rollout ready", rollout_id=self.rollout_id, engine=self._engine.name, model=self.settings.model

@@ -134,6 +134,7 @@ class VllmEngine(RolloutEngine):
     """`RolloutEngine` backed by vLLM's AsyncLLM."""
 
     name = "vllm"
+    computes_in_process = False  # the engine core (and any workers) are processes of their own
 
     def __init__(self, settings: RolloutSettings) -> None:
         self._settings = settings

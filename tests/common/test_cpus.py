@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from services.common.cpus import (
     split_cores,
 )
 from services.learner.config import LearnerSettings
+from services.rollout.config import RolloutSettings
 
 
 def test_parse_lists_and_ranges() -> None:
@@ -93,6 +95,35 @@ def test_apply_refuses_cores_the_process_may_not_use() -> None:
     missing = max(os.sched_getaffinity(0)) + 1
     with pytest.raises(ValueError, match="not available"):
         apply_cpu_affinity(str(missing))
+
+
+def test_moving_the_process_threads_leaves_the_processes_it_started_where_they_are() -> None:
+    """A rollout pinned with its engine moves its own threads (old and new) once the engine runs."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    first, everything = cores[0], format_cpu_list(set(cores))
+    code = textwrap.dedent(f"""
+        import os, subprocess, sys, threading
+        from services.common.cpus import apply_cpu_affinity, move_process_threads
+        apply_cpu_affinity('{first}')
+        report = 'import sys, os; sys.stdin.read(); print(sorted(os.sched_getaffinity(0)))'
+        engine = subprocess.Popen([sys.executable, '-c', report], stdin=-1, stdout=-1, text=True)
+        ready, done, seen = threading.Event(), threading.Event(), {{}}
+        def older():
+            ready.set(); done.wait(); seen['older'] = sorted(os.sched_getaffinity(0))
+        thread = threading.Thread(target=older); thread.start(); ready.wait()
+        move_process_threads('{everything}')
+        done.set(); thread.join()
+        newer = threading.Thread(target=lambda: seen.update(newer=sorted(os.sched_getaffinity(0))))
+        newer.start(); newer.join()
+        mine = sorted(os.sched_getaffinity(0))
+        print(mine, seen['older'], seen['newer'], engine.communicate('')[0].strip())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == f"{cores} {cores} {cores} [{first}]"
+    with pytest.raises(ValueError, match="not a core number"):
+        RolloutSettings.load(model="m", service_cpus="all")
 
 
 # ---------------------------------------------------------------- lending idle cores

@@ -20,17 +20,18 @@ def test_split_gives_learner_and_rollout_disjoint_cores(monkeypatch: pytest.Monk
     _cores(monkeypatch, 2)
     learner, rollouts = core_plan(DemoSettings(lend_idle_cores=False))
     assert learner == {"GRPO_LEARNER__CPUS": "1"}
-    assert rollouts == [{"GRPO_ROLLOUT__CPUS": "0"}]
+    assert rollouts == [{"GRPO_ROLLOUT__CPUS": "0", "GRPO_ROLLOUT__SERVICE_CPUS": "0-1"}]
 
 
 def test_rollouts_get_their_own_share_when_there_are_enough_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     _cores(monkeypatch, 8)
     learner, rollouts = core_plan(DemoSettings(rollouts=2, lend_idle_cores=False))
     assert learner == {"GRPO_LEARNER__CPUS": "4-7"}
-    assert rollouts == [{"GRPO_ROLLOUT__CPUS": "0,2"}, {"GRPO_ROLLOUT__CPUS": "1,3"}]
+    assert [r["GRPO_ROLLOUT__CPUS"] for r in rollouts] == ["0,2", "1,3"]
+    assert all(r["GRPO_ROLLOUT__SERVICE_CPUS"] == "0-7" for r in rollouts)  # front ends float
     _cores(monkeypatch, 2)
     plan = core_plan(DemoSettings(rollouts=3, lend_idle_cores=False))
-    assert plan[1] == [{"GRPO_ROLLOUT__CPUS": "0"}] * 3
+    assert plan[1] == [{"GRPO_ROLLOUT__CPUS": "0", "GRPO_ROLLOUT__SERVICE_CPUS": "0-1"}] * 3
 
 
 def test_the_learner_borrows_every_rollouts_cores_through_their_busy_files(
@@ -46,8 +47,10 @@ def test_the_learner_borrows_every_rollouts_cores_through_their_busy_files(
     settings = LearnerSettings.load(model="m")  # the learner reads exactly what the launcher sets
     assert settings.cpus == "4-7" and settings.borrow.cpus == "0-3"
     assert settings.borrow.busy_files == [Path(p) for p in busy]
-    monkeypatch.setenv("GRPO_ROLLOUT__BUSY_FILE", busy[1])
-    assert RolloutSettings.load(model="m").busy_file == Path(busy[1])
+    for name, value in rollouts[1].items():
+        monkeypatch.setenv(name, value)
+    rollout = RolloutSettings.load(model="m")  # and each rollout too
+    assert rollout.busy_file == Path(busy[1]) and rollout.cpus == "1,3" and rollout.service_cpus == "0-7"
 
 
 def test_shared_or_single_core_pins_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,6 +40,7 @@ ATOL = 1e-4
 
 
 SERVER_PIDS: dict[str, int] = {}  # address -> pid of the rollout process serving it
+CORES = sorted(os.sched_getaffinity(0))
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,8 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         "--dtype", "float32", "--vllm.kv-cache-space-gib", "1", "--vllm.max-num-seqs", "32",
         "--rollout-id", "vllm-test", "--port", "0", "--port-file", str(port_file), "--grace-seconds", "1",
     ]  # fmt: skip
+    if len(CORES) > 1:  # the engine on one core, the service's own process moved to all of them
+        command += ["--cpus", str(CORES[0]), "--service-cpus", ",".join(map(str, CORES))]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -159,12 +162,19 @@ async def test_vllm_generates_with_processed_logprobs_and_version_spans(
         await check_policy(stub, reference_model, version=0)
 
 
-def test_vllm_runs_its_one_worker_inside_the_engine_core(vllm_server: str) -> None:
+def test_vllm_runs_its_one_worker_inside_the_engine_core_on_the_rollouts_cores(vllm_server: str) -> None:
     """`executor = auto` with one worker is vLLM's uni executor: the rollout starts an engine-core
-    process and no worker process (an mp worker and its engine core busy-poll each other)."""
-    titles = [" ".join(child.cmdline()) for child in psutil.Process(SERVER_PIDS[vllm_server]).children(True)]
-    assert any("VLLM::EngineCore" in title for title in titles), titles
-    assert not any("VLLM::Worker" in title for title in titles), titles
+    process and no worker process (an mp worker and its engine core busy-poll each other). The engine
+    core keeps `--cpus`; every thread of the rollout's own process moved to `--service-cpus`."""
+    rollout = psutil.Process(SERVER_PIDS[vllm_server])
+    titles = {child.pid: " ".join(child.cmdline()) for child in rollout.children(True)}
+    cores = [pid for pid, title in titles.items() if "VLLM::EngineCore" in title]
+    assert len(cores) == 1 and not any("VLLM::Worker" in title for title in titles.values()), titles
+    if len(CORES) > 1:
+        for thread in rollout.threads():
+            assert sorted(os.sched_getaffinity(thread.id)) == CORES
+        for thread in psutil.Process(cores[0]).threads():
+            assert sorted(os.sched_getaffinity(thread.id)) == CORES[:1]
 
 
 async def test_vllm_text_is_vllms_own_with_and_without_stop_strings(

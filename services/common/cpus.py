@@ -10,9 +10,9 @@ starts (vLLM's engine and workers bind only to allowed cores), and torch sizes i
 A split leaves the rollout's cores idle whenever it has nothing to generate (a learner-bound run waits
 for the learner most of each step). Those cores are lent: the rollout keeps a one-byte busy file at
 "1" while requests are in flight (`BusyFile`), and the learner's model thread widens itself and torch's
-pool to the rollout's cores before each micro-batch that starts while every lender is idle
-(`CoreBorrower`). A rollout that wakes up mid-micro-batch shares its core for the rest of that
-micro-batch only; a missing or unreadable busy file counts as busy.
+pool to the rollout's cores before each forward and each backward pass that starts while every
+lender is idle (`CoreBorrower`). A rollout that wakes up mid-pass shares its core for the rest of that
+pass only; a missing or unreadable busy file counts as busy.
 """
 
 from __future__ import annotations

@@ -176,8 +176,8 @@ class BorrowConfig(_Section):
 
     cpus: str = Field(
         default="",
-        description="Cores the learner may use besides its own `cpus` for each micro-batch that starts "
-        "while every file in busy_files reads idle, e.g. the rollout's '0'; empty = never borrow.",
+        description="Cores the learner may use besides its own `cpus` for each forward or backward pass "
+        "that starts while every file in busy_files reads idle, e.g. the rollout's '0'; empty = never.",
     )
     busy_files: list[Path] = Field(
         default_factory=list,

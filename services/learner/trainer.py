@@ -119,22 +119,24 @@ class Trainer:
 
         Each micro-batch loss is divided by the global counts of `samples`, so the accumulated gradient
         equals the one-big-batch gradient of the objective whatever `token_budget` is. With a borrower,
-        each micro-batch that starts while the co-located rollouts are idle also runs on their cores.
+        each forward and each backward that starts while the co-located rollouts are idle also runs on
+        their cores.
         """
         norm = global_norm(samples)
         stats = LossStats()
         loss_total, entropy_sum = 0.0, 0.0
         mbs = micro_batches(samples, token_budget or self.token_budget)
-        borrowed = 0
+        borrowed = 0.0
         self.model.train()
         try:
             for mb in mbs:
-                borrowed += self.borrower.borrow() if self.borrower else 0
+                borrowed += self._borrow()
                 mb = mb.to(self.device)
                 with autocast(self.device, self.compute_dtype):
                     logp, entropy = token_logprobs(self.model, mb, with_entropy=True)  # [B, T]
                 ref_logp = self._ref_logprobs(mb) if self.loss_cfg.kl_beta > 0 else None
                 out = policy_loss(logp, mb.behav, mb.mask, mb.adv, self.loss_cfg, norm, ref_logp)
+                borrowed += self._borrow()  # backward is ~2/3 of a micro-batch: look again before it
                 out.loss.backward()
                 loss_total += float(out.loss.detach())
                 entropy_sum += float((entropy * mb.mask).sum())
@@ -149,9 +151,14 @@ class Trainer:
             "num_seqs": float(norm.num_seqs),
             "num_tokens": float(norm.num_tokens),
             "micro_batches": float(len(mbs)),
-            "borrowed_micro_batches": float(borrowed),
+            "borrowed_micro_batches": borrowed,
             **stats.finalize(),
         }
+
+    def _borrow(self) -> float:
+        """Take the lent cores for the next pass (a forward or a backward) if the lenders are idle now;
+        half a micro-batch when it did (the metric counts micro-batches on borrowed cores)."""
+        return 0.5 if self.borrower and self.borrower.borrow() else 0.0
 
     def train_step(
         self, samples: list[Sample], batch_id: str, rewards: list[float] | None = None

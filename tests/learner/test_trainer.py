@@ -110,12 +110,18 @@ def test_micro_batches_borrow_the_rollouts_cores_only_while_it_is_idle(
             busy.set(state)
             out = trainer.accumulate_gradients(samples)
             counts.append((out["borrowed_micro_batches"], out["micro_batches"]))
+        # the rollout wakes up during the first forward: that forward borrowed, its backward does not
+        busy.set(False)
+        hook = trainer.model.register_forward_hook(lambda *_: busy.set(True))
+        counts.append((trainer.accumulate_gradients(samples)["borrowed_micro_batches"], 0.0))
+        hook.remove()
 
     thread = threading.Thread(target=model_thread)
     thread.start()
     thread.join()
-    (idle_borrowed, idle_total), (busy_borrowed, _) = counts
+    (idle_borrowed, idle_total), (busy_borrowed, _), (woken_borrowed, _) = counts
     assert idle_total >= 4 and idle_borrowed == idle_total and busy_borrowed == 0
+    assert woken_borrowed == 0.5
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(micro_model_dir, make_samples):

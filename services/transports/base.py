@@ -142,8 +142,9 @@ class WeightTransport(abc.ABC):
     """One transport: its learner, rollout and engine halves (see the module docstring)."""
 
     kind: ClassVar[TransportKind]
-    # True: `prepare` gets the model's own tensors (no snapshot copy) and must be done reading them
-    # when `publish` returns. False: it gets a CPU snapshot it may keep.
+    # True: `prepare` gets the model's own tensors (no snapshot copy, on the model's device) and must
+    # be done reading them when `publish` returns (a transport that packs in `prepare` is done then).
+    # False: it gets a CPU snapshot it may keep.
     live_state: ClassVar[bool] = False
 
     # ---- learner half

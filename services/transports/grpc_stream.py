@@ -1,6 +1,6 @@
 """`grpc_stream`: the learner's `FetchWeights` server stream of ≤ 1 MiB chunks (works anywhere).
 
-learner   packs the snapshot into process memory; FetchWeights serves slices of it (`chunks`), each
+learner   packs the model's tensors into process memory; FetchWeights serves slices of it (`chunks`), each
           written straight into protobuf wire bytes (`chunk_wire.encode_chunk`: one copy)
 rollout   streams every chunk (one deadline for the whole fetch) straight into a shared-memory
           segment it creates (`chunk_wire.decode_chunk`: a view, then the one copy into the segment),
@@ -220,6 +220,7 @@ def _when_done(futures: list[asyncio.Future[None]], action: Callable[[], None]) 
 
 class GrpcStreamTransport(WeightTransport):
     kind = TransportKind.grpc_stream
+    live_state = True  # `prepare` packs every tensor into its buffer before it returns: no snapshot
 
     def __init__(self) -> None:
         self._segments = _ReceiveSegments()

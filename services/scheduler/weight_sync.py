@@ -88,8 +88,8 @@ class WeightSyncer:
         finally:
             for handle in targets:
                 handle.syncing = False
+            await self._pool.notify()  # rollouts generate on the new version while the learner frees it
             await self._learner.release(prepared.version)
-            await self._pool.notify()
         done = time.perf_counter()
         return SyncResult(
             version=prepared.version,

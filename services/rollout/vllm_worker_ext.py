@@ -31,7 +31,7 @@ from services.transports.registry import open_tensors, worker_op
 
 
 class GrpoWorkerExtension:
-    """Mixed into vLLM's worker class; methods run inside each worker process."""
+    """Mixed into vLLM's worker class; methods run in each worker (the engine-core process under uni)."""
 
     def _grpo_worker(self) -> WorkerContext:
         """This worker as the weight transports see it (state kept across versions)."""

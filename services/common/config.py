@@ -22,10 +22,11 @@ import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from services.common.cpus import CpuList
 from services.common.security import SecuritySettings
 from services.common.telemetry import TelemetrySettings
 
@@ -134,7 +135,7 @@ class ServiceSettings(BaseSettings):
     loop_lag_report_seconds: float = Field(
         default=30.0, gt=0, description="How often the event-loop lag (max/mean wake-up delay) is logged."
     )
-    cpus: str = Field(
+    cpus: CpuList = Field(
         default="",
         description="CPU cores this service (and the processes it starts) runs on, e.g. '0-3,6'; empty = "
         "all. Give a co-located learner and vLLM-CPU rollout disjoint sets so their thread pools do not "
@@ -156,14 +157,6 @@ class ServiceSettings(BaseSettings):
         description="Scheduling niceness added to this process and the processes it starts (0-19). A "
         "rollout at 19 next to a learner at 0 on shared cores takes only the CPU the learner leaves idle.",
     )
-
-    @field_validator("cpus")
-    @classmethod
-    def _check_cpus(cls, value: str) -> str:
-        from services.common.cpus import parse_cpu_list
-
-        parse_cpu_list(value)
-        return value
 
     @classmethod
     def settings_customise_sources(

@@ -21,6 +21,9 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from services.common.logging import get_logger
 
@@ -42,6 +45,15 @@ def parse_cpu_list(spec: str) -> frozenset[int]:
             raise ValueError(f"{part!r} is not a valid range (first ≤ last, both ≥ 0)")
         cores.update(range(first, last + 1))
     return frozenset(cores)
+
+
+def _checked_cpu_list(spec: str) -> str:
+    parse_cpu_list(spec)  # ValueError with the offending part
+    return spec
+
+
+#: A settings field holding a core list ('0-3,6'; '' = none), checked when the settings load.
+CpuList = Annotated[str, AfterValidator(_checked_cpu_list)]
 
 
 def format_cpu_list(cores: frozenset[int] | set[int] | list[int]) -> str:

@@ -28,7 +28,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.advantages import LossKind
 from services.common.config import ServiceSettings
-from services.common.cpus import parse_cpu_list
+from services.common.cpus import CpuList, parse_cpu_list
 from services.common.weights import CHUNK_BYTES, DEFAULT_BUCKET_BYTES
 
 # Padded tokens per micro-batch when `micro_batch_tokens` is 0 (by device). On CPU, smaller micro-batches
@@ -174,7 +174,7 @@ class PublishConfig(_Section):
 class BorrowConfig(_Section):
     """Cores a co-located rollout lends while it is idle (services/common/cpus.py explains the scheme)."""
 
-    cpus: str = Field(
+    cpus: CpuList = Field(
         default="",
         description="Cores the learner may use besides its own `cpus` for each forward or backward pass "
         "that starts while every file in busy_files reads idle, e.g. the rollout's '0'; empty = never.",

@@ -13,11 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
-from services.common.cpus import parse_cpu_list
+from services.common.cpus import CpuList
 
 
 class _Section(BaseModel):
@@ -139,7 +139,7 @@ class RolloutSettings(ServiceSettings):
     tokenize_threads: int = Field(
         default=2, ge=1, description="Threads that tokenize prompts off the event loop."
     )
-    service_cpus: str = Field(
+    service_cpus: CpuList = Field(
         default="",
         description="Cores this rollout's own process moves to once its vLLM engine has started (gRPC, "
         "tokenization, vLLM's output processing), e.g. '0-3'; the engine-core process keeps `cpus`. Empty "
@@ -161,9 +161,3 @@ class RolloutSettings(ServiceSettings):
         default_factory=RegistrationConfig,
         description="Registering with a scheduler ([rollout.registration]).",
     )
-
-    @field_validator("service_cpus")
-    @classmethod
-    def _check_service_cpus(cls, value: str) -> str:
-        parse_cpu_list(value)
-        return value

@@ -7,6 +7,7 @@ Protocol-free: the servicer converts protos to the domain objects used here and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import importlib.util
 import os
@@ -205,18 +206,21 @@ class Rollout:
         self._admit(request_id)  # UNAVAILABLE while loading: the context length is known after it
         validate_sampling(sampling, limits, self._engine.max_model_len)
         self._in_flight.add(request_id)
-        if self._busy:
-            self._busy.set(True)
         try:
-            prompt_ids = await self.tokenize(prompt)
-            prompt_tuple = tuple(prompt_ids)  # once per request, shared by its completions
-            async for completion in self._engine.generate(prompt_ids, sampling, request_id):
-                self._tokens_generated += len(completion.token_ids)
-                yield Generated(prompt.prompt_id, prompt_tuple, sampling, completion)
+            with self._working():
+                prompt_ids = await self.tokenize(prompt)
+                prompt_tuple = tuple(prompt_ids)  # once per request, shared by its completions
+                async for completion in self._engine.generate(prompt_ids, sampling, request_id):
+                    self._tokens_generated += len(completion.token_ids)
+                    yield Generated(prompt.prompt_id, prompt_tuple, sampling, completion)
         finally:
             self._in_flight.discard(request_id)
-            if self._busy and not self._in_flight:
-                self._busy.set(False)
+
+    def _working(self) -> contextlib.AbstractContextManager[None]:
+        """Marks the busy file (if any) for the duration: a learner borrowing this rollout's cores
+        looks at it before each pass. Generation, scoring and both sync phases are work here (the
+        scheduler lets the learner train while the rollouts stage and commit)."""
+        return self._busy.working() if self._busy else contextlib.nullcontext()
 
     async def score(
         self, prompt_ids: list[int], completion_ids: list[int], temperature: float
@@ -229,12 +233,14 @@ class Rollout:
         )
         async with self._commit_lock:  # never straddle a weight update
             version = self._engine.weight_version
-            logprobs = await self._engine.score_tokens(prompt_ids, completion_ids, temperature)
+            with self._working():
+                logprobs = await self._engine.score_tokens(prompt_ids, completion_ids, temperature)
         return logprobs, version
 
     # ------------------------------------------------------------------ weights
     async def stage_weights(self, target: StageTarget, rewind: bool = False) -> Staged:
-        return await self._stager.stage(target, self._engine.weight_version, rewind)
+        with self._working():
+            return await self._stager.stage(target, self._engine.weight_version, rewind)
 
     async def commit_weights(self, version: int, rewind: bool = False) -> CommitResult:
         """Load the staged `version` (idempotent when it is already the loaded one). `rewind`: also an
@@ -248,7 +254,8 @@ class Rollout:
             staged = await self._stager.take(version)
             previous, self._status = self._status, Status.UPDATING
             try:
-                timings = await self._engine.load_weights(staged.plan, staged.manifest, version)
+                with self._working():
+                    timings = await self._engine.load_weights(staged.plan, staged.manifest, version)
             except BaseException:
                 await self._stager.put_back(staged)  # a retried CommitWeights can load it again
                 raise

@@ -14,7 +14,7 @@ from functools import partial
 from grpo.common.v1 import types_pb2
 from services.common.errors import GrpoError
 from services.common.logging import get_logger
-from services.scheduler.clients import EnvClient, Sampling
+from services.scheduler.clients import EnvClient, Sampling, TokenScores
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.groups import patiently
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
@@ -55,10 +55,18 @@ class AlignmentProbe:
             return self.sequence
         raise RuntimeError("no rollout answered the probe generation")
 
-    async def check(self, rollouts: list[RolloutHandle], version: int) -> float:
-        """Max |learner − rollout| logprob on the probe across `rollouts` (all at `version`)."""
+    async def score_learner(self) -> TokenScores:
+        """The learner's side of the next check, taken now (while it holds the version to check)."""
         assert self.sequence is not None, "make() the probe first"
-        diff = await self._syncer.probe(self.sequence, rollouts)
+        return await self._syncer.score_learner(self.sequence)
+
+    async def check(
+        self, rollouts: list[RolloutHandle], version: int, learner: TokenScores | None = None
+    ) -> float:
+        """Max |learner − rollout| logprob on the probe across `rollouts` (all at `version`); the
+        learner scores now unless its `score_learner` answer at `version` is given."""
+        assert self.sequence is not None, "make() the probe first"
+        diff = await self._syncer.probe(self.sequence, rollouts, learner)
         if diff > self.settings.alignment_threshold:
             message = (
                 f"logprob misalignment after sync to v{version}: max |Δ| = {diff:.3g} "

@@ -6,6 +6,8 @@ Four cooperating tasks, joined by bounded queues:
     (env.sample)               (admission, least-loaded rollout)    (rollout)  (env)     (learner step, sync)
     health monitor: polls rollouts, brings lagging or (re)joined ones up to the current version.
 
+Each step's sync, probe and metrics row run behind the learner's next step (`step_sync.py`).
+
 Every group is tracked in the ledger, and the ledger is durable (`store.py`: SQLite in the run
 directory). A group whose rollout dies is dropped and its prompt re-issued, so a dead worker costs
 time, never data; an env or learner that goes away is waited for (a supervisor restarts it); a
@@ -21,6 +23,7 @@ import asyncio
 import statistics
 import time
 from collections import deque
+from functools import partial
 
 from services.common.advantages import MODE_FOR_LOSS, AdvantageMode
 from services.common.errors import GrpoError
@@ -42,6 +45,7 @@ from services.scheduler.policy import build_train_batch
 from services.scheduler.recovery import LOST_LINEAGE, LedgerMismatch, RecoveryPlan, plan_recovery
 from services.scheduler.rollouts import RolloutPool
 from services.scheduler.status import RolloutStatus, SchedulerStatus
+from services.scheduler.step_sync import StepSync
 from services.scheduler.store import BatchRow, LedgerStore, Snapshot, new_run_id
 from services.scheduler.tracking import Tracker
 from services.scheduler.weight_sync import SyncResult, WeightSyncer
@@ -59,6 +63,7 @@ class Orchestrator:
         self.ledger = GroupLedger(sink=self.store.group_changed)
         self.syncer = WeightSyncer(learner, pool, settings.weight_transport)
         self.alignment = AlignmentProbe(settings, self.syncer)
+        self.step_sync = StepSync(self.syncer, self.alignment, pool)
         self.evaluator = Evaluator(settings, env, pool)
         self.groups = GroupPipeline(
             settings, env, pool, self.ledger, self.store, lambda: self.version, lambda: self.generation
@@ -74,7 +79,6 @@ class Orchestrator:
         self.step = 0
         self.finished = False
         self.error = ""
-        self.last_alignment = 0.0
         self._staleness_total, self._staleness_groups = 0, 0  # over every trained group (GetStatus)
         self.advantage_mode = settings.advantage_mode
         self._metrics: MetricsLog | None = None  # opened when the run starts
@@ -121,7 +125,7 @@ class Orchestrator:
             log.exception("run failed", error=self.error)
             raise
         finally:
-            in_flight = list(self.groups.tasks)
+            in_flight = [*self.groups.tasks, *([self.step_sync.job] if self.step_sync.job else [])]
             for task in [*background, *in_flight]:
                 task.cancel()
             await asyncio.gather(*background, *in_flight, return_exceptions=True)
@@ -162,12 +166,12 @@ class Orchestrator:
             if lagging:
                 await self.syncer.sync(lagging)
         await self.alignment.make(self.env, self.pool)
-        self.last_alignment = await self.alignment.check(self.pool.healthy(), self.version)
+        self.step_sync.last_alignment = await self.alignment.check(self.pool.healthy(), self.version)
         log.info(
             "ready to train",
             version=self.version,
             advantage_mode=self.advantage_mode,
-            logprob_abs_diff_max=self.last_alignment,
+            logprob_abs_diff_max=self.step_sync.last_alignment,
         )
         if self.settings.eval_every and not resumed:
             await self._log_eval_only()
@@ -308,6 +312,8 @@ class Orchestrator:
         return row, groups, staleness, False
 
     async def _train(self) -> None:
+        """Batch → train step → the step's sync, probe and row, which run behind the next step
+        (`step_sync.py`: the learner waits only for its own part of the sync)."""
         cfg = self.settings
         while not cfg.max_steps or self.step < cfg.max_steps:
             row, groups, staleness, retrained = await self._next_batch()
@@ -319,65 +325,82 @@ class Orchestrator:
                 if not exc.unreachable:
                     raise
                 self._replay.appendleft(row)  # sent again under its id, unless the learner trained it
+                await self.step_sync.settle()
                 await self._learner_lost(exc)
                 continue
             train_ms = (time.perf_counter() - step_started) * 1e3
+            # before the loop runs anything else: admission reads the version with the pipeline's size
+            self.version, self.step = result.weight_version, result.step
             self._acknowledge(row, self._learner_instance, result.weight_version)
             await self.pool.notify()
             self._staleness_total += sum(staleness)
             self._staleness_groups += len(staleness)
-            lost: GrpoError | None = None
-            async with self.syncer.lock:
-                self.version, self.step = result.weight_version, result.step
-                try:
-                    sync, holding = await self._sync_after_step()
-                except GrpoError as exc:  # the learner went away after training: the step stands
-                    if not exc.unreachable:
-                        raise
-                    lost, sync, holding = exc, SyncResult.nothing(self.version), 0
-            await self.pool.notify()
-            # rollouts_synced: healthy rollouts on this version after the step's sync
-            record = self._step_record(
-                groups, staleness, result, sync, train_ms=train_ms, rollouts_synced=holding
-            )
-            record["retrained"] = retrained
-            filtered, self.groups.filtered = self.groups.filtered, 0
-            record["filtered_groups"] = filtered
-            record["filtered_fraction"] = filtered / (filtered + len(groups))
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and lost is None:
-                try:
-                    record.update(await self.evaluator.run(self.version))
-                except GrpoError as exc:  # a peer restarting: skip this evaluation, not the run
-                    log.warning("evaluation skipped", error=str(exc))
-                    record["eval_error"] = str(exc)
-            assert self._metrics is not None
-            self._metrics.write(record)
-            observe_step(record, staleness)
-            log.info(
-                "step",
-                step=self.step,
-                reward=round(record["reward_mean"], 4),
-                loss=round(record["loss"], 5),
-                sync_ms=round(sync.total_ms, 1),
-                diff=record["logprob_abs_diff_max"],
-            )
-            if lost is not None:
-                await self._learner_lost(lost)
+            await self._settle()
+            job = partial(self._finish_step, groups, staleness, result, train_ms, retrained)
+            if not await self.step_sync.start(job):  # the learner went away during the sync (or it failed)
+                await self._settle()
             # let the groups in flight run before the next batch is assembled: one step's bookkeeping
             # and the next batch's assembly in a single slice of the loop would hold them both up
             await asyncio.sleep(0)
+        await self._settle()
 
-    async def _sync_after_step(self) -> tuple[SyncResult, int]:
-        """Bring the rollouts to the new version and probe them. Caller holds the syncer's lock."""
-        # a health round may have caught some up to this version while we trained: never
-        # stage a version on a rollout that holds it (for nccl it would not join the broadcast)
-        behind = self.pool.behind(self.version)
-        sync = await self.syncer.sync(behind) if behind else SyncResult.nothing(self.version)
-        holding = len(self.pool.healthy()) - len(self.pool.behind(self.version))
-        self.last_alignment = await self.alignment.check(
-            [h for h in self.pool.healthy() if h.version == self.version], self.version
+    async def _settle(self) -> None:
+        """The last step's sync and row done (its failure raised here); a learner it lost, waited for."""
+        lost = await self.step_sync.settle()
+        if lost is not None:
+            await self._learner_lost(lost)
+
+    async def _finish_step(
+        self,
+        groups: list[ScoredGroup],
+        staleness: list[int],
+        result: StepResult,
+        train_ms: float,
+        retrained: bool,
+        learner_free: asyncio.Future[bool],
+    ) -> GrpoError | None:
+        """A trained step's sync and probe (`learner_free` resolves once the learner may train on), its
+        evaluation and metrics row; the learner error the sync met, if any."""
+        cfg, lost = self.settings, None
+        async with self.syncer.lock:
+            try:
+                sync, holding = await self.step_sync.sync(result.weight_version, learner_free)
+            except GrpoError as exc:  # the learner went away after training: the step stands
+                if not exc.unreachable:
+                    raise
+                lost, sync, holding = exc, SyncResult.nothing(result.weight_version), 0
+        await self.pool.notify()
+        record = step_record(
+            groups, staleness, result, sync,
+            weight_transport=cfg.weight_transport.value,
+            logprob_abs_diff_max=self.step_sync.last_alignment,
+            tokens_per_s=self.groups.tokens.take(),
+            groups_dropped=self.ledger.counts()["dropped"],
+            train_ms=train_ms,
+            rollouts_synced=holding,  # healthy rollouts on this version after the step's sync
+            retrained=retrained,
+        )  # fmt: skip
+        filtered, self.groups.filtered = self.groups.filtered, 0
+        record["filtered_groups"] = filtered
+        record["filtered_fraction"] = filtered / (filtered + len(groups))
+        if cfg.eval_every and result.step % cfg.eval_every == 0 and lost is None:
+            try:
+                record.update(await self.evaluator.run(result.weight_version))
+            except GrpoError as exc:  # a peer restarting: skip this evaluation, not the run
+                log.warning("evaluation skipped", error=str(exc))
+                record["eval_error"] = str(exc)
+        assert self._metrics is not None
+        self._metrics.write(record)
+        observe_step(record, staleness)
+        log.info(
+            "step",
+            step=result.step,
+            reward=round(record["reward_mean"], 4),
+            loss=round(record["loss"], 5),
+            sync_ms=round(sync.total_ms, 1),
+            diff=record["logprob_abs_diff_max"],
         )
-        return sync, holding
+        return lost
 
     async def _learner_lost(self, exc: GrpoError) -> None:
         """The learner stopped answering: wait for it (a supervisor restarts it). The same process
@@ -400,7 +423,7 @@ class Orchestrator:
             lost_at = self.version
             self.version, self.step = state.weight_version, state.step
             await self._apply_learner_plan(plan, state, rewound_from=plan.rewound_from)
-            sync, _ = await self._sync_after_step()
+            sync, _ = await self.step_sync.sync(self.version)
         await self.pool.notify()
         stall_s = time.monotonic() - started
         self.store.event(
@@ -414,21 +437,6 @@ class Orchestrator:
             was=lost_at,
             retrain=len(plan.replay),
             synced=sync.synced,
-        )
-
-    def _step_record(
-        self, groups: list[ScoredGroup], staleness: list[int], result: StepResult, sync: SyncResult, **extra
-    ) -> dict:
-        return step_record(
-            groups,
-            staleness,
-            result,
-            sync,
-            weight_transport=self.settings.weight_transport.value,
-            logprob_abs_diff_max=self.last_alignment,
-            tokens_per_s=self.groups.tokens.take(),
-            groups_dropped=self.ledger.counts()["dropped"],
-            **extra,
         )
 
     async def _log_eval_only(self) -> None:
@@ -453,7 +461,7 @@ class Orchestrator:
         """One health round: refresh every rollout, then sync the healthy ones behind the run's version."""
         await self.pool.refresh_all(self.version)
         lagging = [h for h in self.pool.healthy() if h.version < self.version or h.needs_sync]
-        if lagging and not self.syncer.lock.locked():
+        if lagging and not self.syncer.lock.locked() and not self.step_sync.busy:
             async with self.syncer.lock:
                 log.info("catching up rollouts", rollouts=[h.name for h in lagging], version=self.version)
                 try:
@@ -493,7 +501,7 @@ class Orchestrator:
                 for h in self.pool.handles()
             ],
             staleness_mean=self._staleness_total / max(1, self._staleness_groups),
-            logprob_abs_diff_max=self.last_alignment,
+            logprob_abs_diff_max=self.step_sync.last_alignment,
             error=self.error,
             weight_transport=self.settings.weight_transport.value,
             uptime_seconds=time.monotonic() - self._born,

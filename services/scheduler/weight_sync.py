@@ -1,10 +1,13 @@
 """Two-phase weight sync and the logprob alignment probe (the scheduler coordinates; transports move bytes).
 
-    learner.prepare(kind) → v
+    learner.prepare(kind) → v         (its own copy of v: from here the learner may train on)
     every target rollout: stage(v)    (fetch/attach + verify checksums; nothing changes yet)
     every staged rollout: commit(v)   (pause, load, reset prefix cache, flip version, resume)
-    probe: learner.score_tokens vs rollout.score_tokens on a fixed sequence → max |Δ logprob|
     learner.release(v)
+    probe: learner.score_tokens (taken while it held v) vs each rollout's → max |Δ logprob|
+
+`prepare` and `complete` are separate calls so that the scheduler can let the learner train its next
+step while the rollouts stage, commit and answer the probe (`orchestrator.py`).
 
 A rollout that fails to stage or commit is dropped from this sync, so one dead worker never stalls
 training: an unreachable one is marked unhealthy (the health monitor brings it back when it answers);
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from grpo.common.v1 import types_pb2
 from services.common.errors import FailedPrecondition, GrpoError
 from services.common.logging import get_logger
-from services.scheduler.clients import LearnerClient
+from services.scheduler.clients import LearnerClient, PreparedWeights, TokenScores
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
 from services.transports import Receiver, TransportKind
 
@@ -49,6 +52,16 @@ class SyncResult:
         return cls(version, [], 0.0, 0.0, 0.0, 0.0)
 
 
+@dataclass
+class PendingSync:
+    """A version the learner has prepared for `targets`, not yet staged or committed."""
+
+    targets: list[RolloutHandle]
+    prepared: PreparedWeights
+    started: float  # perf_counter at the start of prepare
+    prepared_at: float
+
+
 class WeightSyncer:
     def __init__(self, learner: LearnerClient, pool: RolloutPool, transport: TransportKind) -> None:
         self._learner = learner
@@ -58,12 +71,23 @@ class WeightSyncer:
 
     async def sync(self, targets: list[RolloutHandle]) -> SyncResult:
         """Move `targets` to the learner's current weights (two-phase). Caller holds `lock`."""
+        return await self.complete(await self.prepare(targets))
+
+    async def prepare(self, targets: list[RolloutHandle]) -> PendingSync:
+        """The learner packs its current weights for `targets` (which take no new work until
+        `complete`). Once this returns the learner may train on: a prepared version is its own copy
+        (or, for a broadcast, pushed on the learner's model thread ahead of any later step)."""
         started = time.perf_counter()
         receivers = [Receiver(h.rollout_id, h.instance_id, h.weight_workers) for h in targets]
         prepared = await self._learner.prepare(self._kind, receivers)
-        after_prepare = time.perf_counter()
         for handle in targets:
             handle.syncing = True
+        return PendingSync(targets, prepared, started, time.perf_counter())
+
+    async def complete(self, pending: PendingSync) -> SyncResult:
+        """Stage and commit a prepared version on its targets, then let the learner free it."""
+        targets, prepared = pending.targets, pending.prepared
+        committed: list[RolloutHandle] = []
         try:
             # a rollout holding this version or a newer one has weights of a lineage the learner lost
             # when it restarted from an older checkpoint: it must go back (rewind)
@@ -94,10 +118,10 @@ class WeightSyncer:
         return SyncResult(
             version=prepared.version,
             synced=[h.name for h in committed],
-            prepare_ms=(after_prepare - started) * 1e3,
-            stage_ms=(after_stage - after_prepare) * 1e3,
+            prepare_ms=(pending.prepared_at - pending.started) * 1e3,
+            stage_ms=(after_stage - pending.prepared_at) * 1e3,
             commit_ms=(done - after_stage) * 1e3,
-            total_ms=(done - started) * 1e3,
+            total_ms=(done - pending.started) * 1e3,
         )
 
     async def _phase(
@@ -132,20 +156,33 @@ class WeightSyncer:
             if abort_exc.unreachable:
                 await self._pool.mark(handle, healthy=False)
 
-    async def probe(self, sequence: types_pb2.TokenSequence, rollouts: list[RolloutHandle]) -> float:
+    async def score_learner(self, sequence: types_pb2.TokenSequence) -> TokenScores:
+        """The learner's logprobs of the probe tokens, at its current version."""
+        return await self._learner.score_tokens(sequence)
+
+    async def probe(
+        self,
+        sequence: types_pb2.TokenSequence,
+        rollouts: list[RolloutHandle],
+        learner: TokenScores | None = None,
+    ) -> float:
         """Max |learner − rollout| logprob over the probe tokens, across `rollouts`.
 
         A rollout that cannot be reached is marked unhealthy and skipped (it is re-synced and probed
-        when it comes back); a reachable one that disagrees raises AlignmentError. Learner and rollouts
-        score at once (one round trip, not one per rollout); answers are judged in `rollouts` order.
+        when it comes back); a reachable one that disagrees raises AlignmentError. Without `learner`'s
+        scores (`score_learner`, taken while the learner still held the rollouts' version) the learner
+        scores with the rollouts, at once (one round trip, not one per rollout); answers are judged in
+        `rollouts` order.
         """
-        learner, *answers = await asyncio.gather(
-            self._learner.score_tokens(sequence),
-            *(handle.client.score_tokens(sequence) for handle in rollouts),
-            return_exceptions=True,
-        )
-        if isinstance(learner, BaseException):
-            raise learner
+        asked = [handle.client.score_tokens(sequence) for handle in rollouts]
+        if learner is None:
+            asked.insert(0, self.score_learner(sequence))
+        answers = await asyncio.gather(*asked, return_exceptions=True)
+        if learner is None:
+            first = answers.pop(0)
+            if isinstance(first, BaseException):
+                raise first
+            learner = first
         worst = 0.0
         for handle, got in zip(rollouts, answers, strict=True):
             if isinstance(got, GrpoError) and got.unreachable:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -143,6 +144,36 @@ def test_a_busy_file_reads_idle_only_when_it_says_so(tmp_path: Path) -> None:
     assert not lender_idle(path)
     path.write_bytes(b"x")
     assert not lender_idle(path)
+
+
+async def test_a_lender_stays_busy_for_its_linger_after_work_and_longer_if_more_arrives(
+    tmp_path: Path,
+) -> None:
+    busy = BusyFile(tmp_path / "r.busy", linger_s=0.05)
+    with busy.working():
+        with busy.working():  # nested and overlapping work counts once
+            assert not lender_idle(busy.path)
+        assert not lender_idle(busy.path)
+    assert not lender_idle(busy.path)  # the gap before the next burst still reads busy
+    await asyncio.sleep(0.03)
+    with busy.working():  # more work within the linger: the pending idle is cancelled
+        await asyncio.sleep(0.04)
+    await asyncio.sleep(0.03)
+    assert not lender_idle(busy.path)  # 0.07 s after the first work, 0.03 s after the last
+    await asyncio.sleep(0.05)
+    assert lender_idle(busy.path)
+    with busy.working():
+        pass
+    busy.close()  # closing drops the pending idle: a lender that is gone stays busy
+    await asyncio.sleep(0.07)
+    assert not lender_idle(busy.path)
+
+
+def test_off_an_event_loop_a_lender_is_idle_as_soon_as_its_work_ends(tmp_path: Path) -> None:
+    busy = BusyFile(tmp_path / "r.busy", linger_s=10.0)
+    with busy.working():
+        assert not lender_idle(busy.path)
+    assert lender_idle(busy.path)
 
 
 def test_the_borrower_widens_only_its_own_thread_while_the_lender_is_idle(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from transports.support import Packed, WeightsServer, model_with_state, perturbe
 from grpo.common.v1 import types_pb2
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.clients import open_channel
-from services.common.cpus import lender_idle
+from services.common.cpus import LINGER_S, lender_idle
 from services.common.serve import start_server
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import Sampling
@@ -312,23 +312,52 @@ async def _check_sync_errors(server: Running, learner: WeightsServer, state) -> 
     assert (state_now.staged_version, state_now.weight_version) == (-1, 2)
 
 
-async def test_the_busy_file_reads_busy_exactly_while_requests_are_in_flight(
-    tiny_model_dir: Path, tmp_path
+async def test_the_busy_file_reads_busy_exactly_while_the_rollout_works(
+    tiny_model_dir: Path, tmp_path, reference_model
 ) -> None:
+    """Busy while requests are in flight, and while it scores, stages or commits weights (the learner
+    trains while the rollouts sync: it must not borrow their cores then); idle otherwise."""
     busy_file = tmp_path / "rollout-0.busy"
     started = await _start(settings_for(tiny_model_dir, busy_file=busy_file))
+    rollout = started.app.rollout
+    seen: dict[str, bool] = {}
+
+    def watched(name: str, call):
+        async def run(*args, **kwargs):
+            seen[name] = not lender_idle(busy_file)
+            return await call(*args, **kwargs)
+
+        return run
+
+    rollout.engine.score_tokens = watched("score", rollout.engine.score_tokens)
+    rollout.engine.load_weights = watched("commit", rollout.engine.load_weights)
+    rollout._stager.stage = watched("stage", rollout._stager.stage)
+
+    async def idle_after_linger() -> bool:  # a lender stays busy LINGER_S after its last work
+        await asyncio.sleep(LINGER_S * 3)
+        return lender_idle(busy_file)
+
     try:
         assert lender_idle(busy_file)
+        async with WeightsServer() as learner:
+            wv = learner.publish(1, Packed(perturbed_state(reference_model, seed=1)))
+            await started.stub.StageWeights(
+                rollout_pb2.StageWeightsRequest(weight_version=wv), timeout=TIMEOUT
+            )
+            assert not lender_idle(busy_file)  # lingers into the commit's round trip
+            await started.stub.CommitWeights(rollout_pb2.CommitWeightsRequest(version=1), timeout=TIMEOUT)
+            assert await idle_after_linger()
+        await started.score([1, 2, 3], [4, 5], 1.0)
+        assert seen == {"stage": True, "commit": True, "score": True} and await idle_after_linger()
         stream = started.app.rollout.generate(
             "r1", PromptInput("p", text="12+34="), Sampling(n=2, max_tokens=4)
         )
         await anext(stream)  # suspended between its completions: the request is in flight
+        await asyncio.sleep(LINGER_S * 3)
         assert not lender_idle(busy_file)
         assert len([c async for c in stream]) == 1
-        assert lender_idle(busy_file)
-        await started.generate(
-            _text_prompt(), n=2, max_tokens=4, temperature=1.0
-        )  # over gRPC too: idle once done
-        assert lender_idle(busy_file)
+        assert await idle_after_linger()
+        await started.generate(_text_prompt(), n=2, max_tokens=4, temperature=1.0)  # over gRPC too
+        assert await idle_after_linger()
     finally:
         await _close(started)

@@ -8,7 +8,7 @@ staged version, every token carries the version that produced it) and record wha
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,7 +157,8 @@ class FakeLearner:
 class FakeRollout:
     """One rollout worker. Faults: `alive=False` (every call UNAVAILABLE), `fail_stage` (errors raised by
     the next StageWeights calls), `stale_groups` (that many training groups stamped two versions older
-    than the loaded one), `logprob_offset` (misaligned scoring), `gate` (generation waits for it)."""
+    than the loaded one), `logprob_offset` (misaligned scoring), `gate` (generation waits for it),
+    `on_probe` (awaited by every ScoreTokens; what it returns is added to the logprobs)."""
 
     address: str
     rollout_id: str = ""
@@ -168,6 +169,7 @@ class FakeRollout:
     stale_groups: int = 0
     logprob_offset: float = 0.0
     gate: asyncio.Event | None = None
+    on_probe: Callable[[FakeRollout], Awaitable[float]] | None = None
     staged: int | None = None
     generated_at: list[int] = field(default_factory=list)  # the loaded version at each generate
     worked: asyncio.Event = field(default_factory=asyncio.Event)  # set by the first training generate
@@ -240,7 +242,8 @@ class FakeRollout:
     async def score_tokens(self, sequence: types_pb2.TokenSequence) -> TokenScores:
         self._check_alive()
         n = len(sequence.completion_token_ids)
-        return TokenScores([-1.0 + self.logprob_offset] * n, self.version)
+        offset = self.logprob_offset + (await self.on_probe(self) if self.on_probe else 0.0)
+        return TokenScores([-1.0 + offset] * n, self.version)
 
     async def close(self) -> None:
         return None

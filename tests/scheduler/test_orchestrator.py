@@ -170,6 +170,42 @@ async def test_alignment_beyond_the_threshold_fails_or_warns(tmp_path: Path, act
         assert all(r["logprob_abs_diff_max"] == pytest.approx(0.01) for r in _rows(tmp_path))
 
 
+async def test_the_learner_trains_its_next_step_while_the_rollouts_answer_the_probe(tmp_path: Path) -> None:
+    """After a step the learner waits only for its own part of the sync (packing the version, scoring
+    the probe at it): a rollout that answers the probe of version v only once the learner has trained
+    past v would stall a serial sync forever. Each row still carries its own version's probe."""
+    learner_versions = []
+
+    async def after_the_next_step(rollout: FakeRollout) -> float:
+        if 0 < rollout.version < 4:  # not the start-of-run probe, not the last step's
+            await c.learner.wait_for_version(rollout.version + 1)
+            learner_versions.append(c.learner.version)
+        return rollout.version * 1e-6  # a distinct, tolerated difference per version
+
+    c = cluster(tmp_path, FakeRollout("r0", on_probe=after_the_next_step), max_steps=4)
+    await c.run()
+    assert c.orchestrator.finished and learner_versions == [2, 3, 4]
+    rows = _rows(tmp_path)
+    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["logprob_abs_diff_max"] for r in rows] == pytest.approx([1e-6, 2e-6, 3e-6, 4e-6])
+    assert c.rollouts["r0"].commits == [1, 2, 3, 4] and c.learner.released == [1, 2, 3, 4]
+
+
+async def test_a_misalignment_found_mid_run_stops_it_before_the_next_sync(tmp_path: Path) -> None:
+    """The probe of version 2 disagrees: the learner may already train one step past it (its part of
+    the sync was done), but version 3 is never synced and no row claims version 2 was checked."""
+
+    async def drift_from_v2(rollout: FakeRollout) -> float:
+        return 0.01 if rollout.version >= 2 else 0.0
+
+    c = cluster(tmp_path, FakeRollout("r0", on_probe=drift_from_v2), max_steps=6)
+    with pytest.raises(AlignmentError, match="after sync to v2"):
+        await c.run()
+    assert "misalignment" in c.orchestrator.error
+    assert len(c.learner.batches) <= 3 and c.rollouts["r0"].commits == [1, 2]
+    assert [r["weight_version"] for r in _rows(tmp_path)] == [1]
+
+
 async def test_the_probe_comes_from_a_rollout_that_answers(tmp_path: Path) -> None:
     c = cluster(tmp_path, FakeRollout("r0", alive=True), FakeRollout("r1"))
     await c.orchestrator.pool.refresh_all(0)

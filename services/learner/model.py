@@ -82,6 +82,18 @@ def vocab_size(model: torch.nn.Module) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks (decoder layers): the classes transformers names in
+    `_no_split_modules`, else the children of its longest ModuleList; [] if it has neither."""
+    base = model.get_base_model() if is_lora(model) else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
 def token_logprobs(
     model: torch.nn.Module, mb: MicroBatch, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -38,6 +38,7 @@ from services.learner.model import (
     load_policy,
     load_reference,
     load_trainable_state,
+    repeated_blocks,
     resolve_compute_dtype,
     resolve_device,
     token_logprobs,
@@ -89,6 +90,9 @@ class Trainer:
         self.export_dtype = None if export_dtype == "auto" else dtype_from_name(export_dtype)
         self.model = load_policy(settings.model, self.device, settings.lora, settings.gradient_checkpointing)
         self.model.eval()
+        self._looks = [0, 0]  # [times the lenders were looked at, times they were idle] this step
+        if self.borrower:
+            self._watch_blocks()
         self.vocab_size = vocab_size(self.model)
         self.max_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.ref_model = None
@@ -126,17 +130,17 @@ class Trainer:
         stats = LossStats()
         loss_total, entropy_sum = 0.0, 0.0
         mbs = micro_batches(samples, token_budget or self.token_budget)
-        borrowed = 0.0
+        self._looks = [0, 0]
         self.model.train()
         try:
             for mb in mbs:
-                borrowed += self._borrow()
+                self._borrow()
                 mb = mb.to(self.device)
                 with autocast(self.device, self.compute_dtype):
                     logp, entropy = token_logprobs(self.model, mb, with_entropy=True)  # [B, T]
                 ref_logp = self._ref_logprobs(mb) if self.loss_cfg.kl_beta > 0 else None
                 out = policy_loss(logp, mb.behav, mb.mask, mb.adv, self.loss_cfg, norm, ref_logp)
-                borrowed += self._borrow()  # backward is ~2/3 of a micro-batch: look again before it
+                self._borrow()  # backward is ~2/3 of a micro-batch: look again before it
                 out.loss.backward()
                 loss_total += float(out.loss.detach())
                 entropy_sum += float((entropy * mb.mask).sum())
@@ -151,14 +155,33 @@ class Trainer:
             "num_seqs": float(norm.num_seqs),
             "num_tokens": float(norm.num_tokens),
             "micro_batches": float(len(mbs)),
-            "borrowed_micro_batches": borrowed,
+            # micro-batches' worth on borrowed cores: the share of looks that found the lenders idle
+            "borrowed_micro_batches": len(mbs) * self._looks[1] / max(1, self._looks[0]),
             **stats.finalize(),
         }
 
-    def _borrow(self) -> float:
-        """Take the lent cores for the next pass (a forward or a backward) if the lenders are idle now;
-        half a micro-batch when it did (the metric counts micro-batches on borrowed cores)."""
-        return 0.5 if self.borrower and self.borrower.borrow() else 0.0
+    def _borrow(self) -> None:
+        """Take the lent cores for what follows if the lenders are idle now, else give them back."""
+        if self.borrower and self.model.training:
+            self._looks[0] += 1
+            self._looks[1] += self.borrower.borrow()
+
+    def _watch_blocks(self) -> None:
+        """Look at the lenders again before each repeated block's forward and backward, not only at
+        each pass's start: a pass of a ~30M model takes ~0.5 s on one core, and a rollout that goes
+        idle (or wakes) mid-pass would otherwise leave its core unused (or shared) for the rest of it."""
+
+        def before_forward(module: torch.nn.Module, args: object) -> None:
+            self._borrow()
+
+        def after_forward(module: torch.nn.Module, args: object, output: object) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                hidden.register_hook(lambda grad: self._borrow())  # runs as the block's backward starts
+
+        for block in repeated_blocks(self.model):
+            block.register_forward_pre_hook(before_forward)
+            block.register_forward_hook(after_forward)
 
     def train_step(
         self, samples: list[Sample], batch_id: str, rewards: list[float] | None = None

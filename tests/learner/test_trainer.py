@@ -25,7 +25,7 @@ from services.learner.config import (
     OptimConfig,
     PublishConfig,
 )
-from services.learner.model import token_logprobs
+from services.learner.model import repeated_blocks, token_logprobs
 from services.learner.trainer import Trainer, lr_factor
 
 
@@ -110,18 +110,47 @@ def test_micro_batches_borrow_the_rollouts_cores_only_while_it_is_idle(
             busy.set(state)
             out = trainer.accumulate_gradients(samples)
             counts.append((out["borrowed_micro_batches"], out["micro_batches"]))
-        # the rollout wakes up during the first forward: that forward borrowed, its backward does not
-        busy.set(False)
-        hook = trainer.model.register_forward_hook(lambda *_: busy.set(True))
-        counts.append((trainer.accumulate_gradients(samples)["borrowed_micro_batches"], 0.0))
-        hook.remove()
 
     thread = threading.Thread(target=model_thread)
     thread.start()
     thread.join()
-    (idle_borrowed, idle_total), (busy_borrowed, _), (woken_borrowed, _) = counts
+    (idle_borrowed, idle_total), (busy_borrowed, _) = counts
     assert idle_total >= 4 and idle_borrowed == idle_total and busy_borrowed == 0
-    assert woken_borrowed == 0.5
+
+
+def test_the_learner_looks_at_the_lenders_again_before_each_block(micro_model_dir, make_samples, tmp_path):
+    """Not only at each pass's start: a rollout that wakes during block 0's forward has its core back
+    from block 1 on; one that goes idle as the backward leaves the LM head lends it to every block's
+    backward. The metric counts the share of looks that borrowed, in micro-batches."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    busy = BusyFile(tmp_path / "rollout-0.busy")
+    borrow = BorrowConfig(cpus=str(cores[0]), busy_files=[busy.path])
+    trainer = make_trainer(micro_model_dir, cpus=str(cores[1]), borrow=borrow, micro_batch_tokens=4096)
+    blocks = repeated_blocks(trainer.model)
+    assert len(blocks) == 2 and all(type(b).__name__ == "Qwen2DecoderLayer" for b in blocks)
+    threads: list[int] = []
+    out: dict[str, float] = {}
+
+    def model_thread() -> None:  # the borrower changes the calling thread's affinity: not pytest's
+        busy.set(False)
+        hooks = [blocks[0].register_forward_hook(lambda *_: busy.set(True))]
+        hooks += [
+            b.register_forward_pre_hook(lambda *_: threads.append(torch.get_num_threads())) for b in blocks
+        ]
+        head = trainer.model.get_output_embeddings()
+        hooks.append(head.register_full_backward_hook(lambda *_: busy.set(False)))
+        out.update(trainer.accumulate_gradients(make_samples(3, seed=2)))
+        for hook in hooks:
+            hook.remove()
+
+    thread = threading.Thread(target=model_thread)
+    thread.start()
+    thread.join()
+    assert threads == [2, 1]  # block 0 on both cores, block 1 (after the rollout woke) on its own
+    # looks: forward start and block 0 idle, block 1 busy, backward start busy, both blocks' backward idle
+    assert out["micro_batches"] == 1 and out["borrowed_micro_batches"] == pytest.approx(4 / 6)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(micro_model_dir, make_samples):

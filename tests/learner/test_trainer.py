@@ -93,15 +93,20 @@ def test_the_micro_batch_budget_follows_the_device_unless_set(micro_model_dir, m
     assert small.accumulate_gradients(samples)["micro_batches"] >= 4
 
 
-def test_micro_batches_borrow_the_rollouts_cores_only_while_it_is_idle(
-    micro_model_dir, make_samples, tmp_path
-):
+def _borrowing_trainer(model_dir, tmp_path, **settings) -> tuple[Trainer, BusyFile]:
+    """A trainer on one core that may borrow a second from a rollout's busy file (skips on 1 core)."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores")
     busy = BusyFile(tmp_path / "rollout-0.busy")
     borrow = BorrowConfig(cpus=str(cores[0]), busy_files=[busy.path])
-    trainer = make_trainer(micro_model_dir, cpus=str(cores[1]), borrow=borrow, micro_batch_tokens=12)
+    return make_trainer(model_dir, cpus=str(cores[1]), borrow=borrow, **settings), busy
+
+
+def test_micro_batches_borrow_the_rollouts_cores_only_while_it_is_idle(
+    micro_model_dir, make_samples, tmp_path
+):
+    trainer, busy = _borrowing_trainer(micro_model_dir, tmp_path, micro_batch_tokens=12)
     samples = make_samples(9, seed=1)
     counts: list[tuple[float, float]] = []
 
@@ -122,12 +127,7 @@ def test_the_learner_looks_at_the_lenders_again_before_each_block(micro_model_di
     """Not only at each pass's start: a rollout that wakes during block 0's forward has its core back
     from block 1 on; one that goes idle as the backward leaves the LM head lends it to every block's
     backward. The metric counts the share of looks that borrowed, in micro-batches."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        pytest.skip("needs two cores")
-    busy = BusyFile(tmp_path / "rollout-0.busy")
-    borrow = BorrowConfig(cpus=str(cores[0]), busy_files=[busy.path])
-    trainer = make_trainer(micro_model_dir, cpus=str(cores[1]), borrow=borrow, micro_batch_tokens=4096)
+    trainer, busy = _borrowing_trainer(micro_model_dir, tmp_path, micro_batch_tokens=4096)
     blocks = repeated_blocks(trainer.model)
     assert len(blocks) == 2 and all(type(b).__name__ == "Qwen2DecoderLayer" for b in blocks)
     threads: list[int] = []

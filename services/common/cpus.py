@@ -10,10 +10,10 @@ starts (vLLM's engine and workers bind only to allowed cores), and torch sizes i
 A split leaves the rollout's cores idle whenever it has nothing to generate (a learner-bound run waits
 for the learner most of each step). Those cores are lent: the rollout keeps a one-byte busy file at
 "1" while it has work (requests in flight, a probe, a weight stage or commit: `BusyFile`), and the
-learner's model thread widens itself and torch's pool to the rollout's cores before each forward and
-each backward pass that starts while every lender is idle (`CoreBorrower`). A rollout that wakes up
-mid-pass shares its core for the rest of that pass only; a missing or unreadable busy file counts as
-busy.
+learner's model thread looks at it before each forward and backward pass and before each decoder
+layer's: while every lender is idle it widens itself and torch's pool to the rollout's cores, else it
+narrows them back (`CoreBorrower`). A rollout that wakes up mid-layer shares its core for the rest of
+that layer only; a missing or unreadable busy file counts as busy.
 """
 
 from __future__ import annotations

@@ -123,8 +123,8 @@ class Trainer:
 
         Each micro-batch loss is divided by the global counts of `samples`, so the accumulated gradient
         equals the one-big-batch gradient of the objective whatever `token_budget` is. With a borrower,
-        each forward and each backward that starts while the co-located rollouts are idle also runs on
-        their cores.
+        what follows a look that finds the co-located rollouts idle (at each forward and backward, and at
+        each decoder layer's) also runs on their cores.
         """
         norm = global_norm(samples)
         stats = LossStats()
@@ -168,7 +168,7 @@ class Trainer:
 
     def _watch_blocks(self) -> None:
         """Look at the lenders again before each repeated block's forward and backward, not only at
-        each pass's start: a pass of a ~30M model takes ~0.5 s on one core, and a rollout that goes
+        each pass's start: a pass of a ~30M model takes 0.3–0.7 s on one core, and a rollout that goes
         idle (or wakes) mid-pass would otherwise leave its core unused (or shared) for the rest of it."""
 
         def before_forward(module: torch.nn.Module, args: object) -> None:

@@ -77,8 +77,8 @@ class DemoSettings(BaseSettings):
     )
     lend_idle_cores: bool = Field(
         default=True,
-        description="Under split, the learner borrows the rollouts' cores for each forward or backward pass "
-        "that starts while no rollout has a request in flight (services/common/cpus.py).",
+        description="Under split, the learner borrows the rollouts' cores while no rollout has work "
+        "(it looks at every forward and backward pass and every decoder layer's; services/common/cpus.py).",
     )
     env: str = Field(
         default="arithmetic", description="Environment spec (built-in name, module:Class, file.py:Class)."

@@ -176,8 +176,9 @@ class BorrowConfig(_Section):
 
     cpus: CpuList = Field(
         default="",
-        description="Cores the learner may use besides its own `cpus` for each forward or backward pass "
-        "that starts while every file in busy_files reads idle, e.g. the rollout's '0'; empty = never.",
+        description="Cores the learner may use besides its own `cpus` after each look (at every forward and "
+        "backward pass and every decoder layer's) that finds every busy_files idle, e.g. the rollout's "
+        "'0'; empty = never.",
     )
     busy_files: list[Path] = Field(
         default_factory=list,

@@ -148,9 +148,10 @@ class RolloutSettings(ServiceSettings):
     )
     busy_file: Path | None = Field(
         default=None,
-        description="A host-local file this rollout keeps at '1' while Generate requests are in flight and "
-        "'0' otherwise, so a learner on the same host borrows its cores while it is idle (the learner's "
-        "[learner.borrow]; the demo sets both); unset = none.",
+        description="A host-local file this rollout keeps at '1' while it works (Generate requests in "
+        "flight, scoring, staging or committing weights; and 20 ms after) and '0' otherwise, so a learner "
+        "on the same host borrows its cores while it is idle (the learner's [learner.borrow]; the demo "
+        "sets both); unset = none.",
     )
     limits: RequestLimits = Field(
         default_factory=RequestLimits, description="Request bounds ([rollout.limits])."

@@ -7,7 +7,7 @@
     probe: learner.score_tokens (taken while it held v) vs each rollout's → max |Δ logprob|
 
 `prepare` and `complete` are separate calls so that the scheduler can let the learner train its next
-step while the rollouts stage, commit and answer the probe (`orchestrator.py`).
+step while the rollouts stage, commit and answer the probe (`step_sync.py`).
 
 A rollout that fails to stage or commit is dropped from this sync, so one dead worker never stalls
 training: an unreachable one is marked unhealthy (the health monitor brings it back when it answers);
@@ -87,7 +87,6 @@ class WeightSyncer:
     async def complete(self, pending: PendingSync) -> SyncResult:
         """Stage and commit a prepared version on its targets, then let the learner free it."""
         targets, prepared = pending.targets, pending.prepared
-        committed: list[RolloutHandle] = []
         try:
             # a rollout holding this version or a newer one has weights of a lineage the learner lost
             # when it restarted from an older checkpoint: it must go back (rewind)
@@ -174,15 +173,16 @@ class WeightSyncer:
         scores with the rollouts, at once (one round trip, not one per rollout); answers are judged in
         `rollouts` order.
         """
-        asked = [handle.client.score_tokens(sequence) for handle in rollouts]
+        rollout_scores = [handle.client.score_tokens(sequence) for handle in rollouts]
         if learner is None:
-            asked.insert(0, self.score_learner(sequence))
-        answers = await asyncio.gather(*asked, return_exceptions=True)
-        if learner is None:
-            first = answers.pop(0)
+            first, *answers = await asyncio.gather(
+                self.score_learner(sequence), *rollout_scores, return_exceptions=True
+            )
             if isinstance(first, BaseException):
                 raise first
             learner = first
+        else:
+            answers = await asyncio.gather(*rollout_scores, return_exceptions=True)
         worst = 0.0
         for handle, got in zip(rollouts, answers, strict=True):
             if isinstance(got, GrpoError) and got.unreachable:

@@ -13,9 +13,10 @@ sides; 0 = unseeded). The service tokenizes the prompt text itself (the bench ch
 same ids bare vLLM is given). Bare vLLM gets one request per prompt with all `n` samples and reads
 the final outputs, with vLLM's cheapest logprob form (flat lists) and its text (vLLM's
 detokenizer; `--no-bare-text`: no text, the engine-only floor); the service gets one Generate RPC
-per prompt and streams each completion back as a Completion message (tokens, logprobs, version
-spans, text). With a seed both sides sample the same tokens (the bench reports the fraction of
-identical completions), so the engine does the same work.
+per prompt and streams the completions back as Completion messages (tokens, logprobs, version
+spans, text), those that finished in the same engine step in one GenerateResponse. With a seed
+both sides sample the same tokens (the bench reports the fraction of identical completions), so the
+engine does the same work.
 
 Runs alternate (bare, service, bare, service, ... `--repeats` pairs, after one untimed warm-up of
 each), with a pause between runs so that the idle engine's busy-wait has stopped.
@@ -41,6 +42,8 @@ What each number means (per run; the summary gives median [min, max] over the ti
     engine CPU s      CPU seconds of the engine-core and worker processes of that side
     client CPU s      CPU seconds of this process during a service run (the gRPC client); on a
                       small machine it competes with the service and the engine for the same cores
+    messages          Generate stream messages the service sent (completions that finish in the same
+                      engine step travel in one message)
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class Run:
     frontend_cpu_s: float
     engine_cpu_s: float
     client_cpu_s: float
+    messages: int  # service: Generate stream messages received (bare: 0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -191,8 +195,11 @@ class Bare:
         await self.engine.stop()
 
 
-async def run_service(stub: Any, prompts: list[str], args: argparse.Namespace, tag: str) -> list[list[Any]]:
-    """One Generate RPC per prompt, all at once; returns each prompt's completions."""
+async def run_service(
+    stub: Any, prompts: list[str], args: argparse.Namespace, tag: str
+) -> tuple[list[list[Any]], int]:
+    """One Generate RPC per prompt, all at once; returns each prompt's completions and how many stream
+    messages carried them (the service sends completions that finish in one engine step together)."""
     from grpo.common.v1 import types_pb2
     from grpo.rollout.v1 import rollout_pb2
 
@@ -204,9 +211,12 @@ async def run_service(stub: Any, prompts: list[str], args: argparse.Namespace, t
         request = rollout_pb2.GenerateRequest(
             request_id=f"{tag}-{i}", prompt=types_pb2.Prompt(id=f"p{i}", text=text), sampling_params=sampling
         )
-        return [response.completion async for response in stub.Generate(request, timeout=600)]
+        return [list(response.completions) async for response in stub.Generate(request, timeout=600)]
 
-    return await asyncio.gather(*(one(i, text) for i, text in enumerate(prompts)))
+    per_prompt = await asyncio.gather(*(one(i, text) for i, text in enumerate(prompts)))
+    return [[c for message in messages for c in message] for messages in per_prompt], sum(
+        map(len, per_prompt)
+    )
 
 
 def token_lists(side: str, outputs: list[list[Any]]) -> list[list[tuple[int, ...]]]:
@@ -284,12 +294,13 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
                 engine = bare_engine if side == "bare" else service_engine
                 before = (cpu_s([front]), cpu_s(engine), cpu_s([me]))
                 started = time.perf_counter()
-                outputs = []
+                outputs, messages = [], 0
                 for b, (prompts, prompt_ids) in enumerate(batches):  # one after the other
                     if side == "bare":
                         outputs += await bare.run(prompt_ids, args, f"{tag}-{b}")
                     else:
-                        outputs += await run_service(stub, prompts, args, f"{tag}-{b}")
+                        completions, sent = await run_service(stub, prompts, args, f"{tag}-{b}")
+                        outputs, messages = outputs + completions, messages + sent
                 wall = time.perf_counter() - started
                 after = (cpu_s([front]), cpu_s(engine), cpu_s([me]))
                 tokens = token_lists(side, outputs)
@@ -302,6 +313,7 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
                     frontend_cpu_s=after[0] - before[0],
                     engine_cpu_s=after[1] - before[1],
                     client_cpu_s=(after[2] - before[2]) if side == "service" else 0.0,
+                    messages=messages,
                 )
                 runs.append(run)
                 if side == "service":
@@ -322,7 +334,8 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
                     print(
                         f"{tag:<12} {run.wall_s:7.3f} s {run.tokens:7d} tok {run.tokens_per_s:9.1f} tok/s "
                         f"{run.completions_per_s:8.1f} compl/s  front-end CPU {run.frontend_cpu_s:5.2f} s  "
-                        f"engine CPU {run.engine_cpu_s:5.2f} s  client CPU {run.client_cpu_s:5.2f} s",
+                        f"engine CPU {run.engine_cpu_s:5.2f} s  client CPU {run.client_cpu_s:5.2f} s"
+                        f"  messages {run.messages}",
                         flush=True,
                     )
         finally:

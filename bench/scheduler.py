@@ -28,7 +28,7 @@ Numbers, for each rollout count of `--rollouts`, measured after `--warmup-steps`
   added p50/p99   the latency the scheduler ADDS per group, from time.perf_counter stamps (the same
                   monotonic clock in both processes): from the moment the stub rollout has the group's
                   last completion available (inproc: the stub resolves the generate call; loopback: the
-                  stub server yields the last GenerateResponse) to the moment the group is scored and
+                  stub server yields its GenerateResponse) to the moment the group is scored and
                   in the scheduler's `scored` queue, ready to be batched. It covers reading the answer,
                   the rollout's credit, the ledger, the scoring call, queueing, and any time the group
                   waits for the scheduler's busy event loop (over loopback also the stream's transfer and
@@ -120,12 +120,13 @@ def make_completions(n: int, version: int, tokens: int) -> list[types_pb2.Comple
 
 class GroupCache:
     """Groups built once per (version, n) and shared by every stub rollout of a process, so a stub's
-    answer costs next to nothing: as completions (inproc) and as GenerateResponse messages (loopback)."""
+    answer costs next to nothing: as completions (inproc) and as one GenerateResponse (loopback: the
+    rollout service sends completions that finish together in one message, and a stub's finish at once)."""
 
     def __init__(self, tokens: int) -> None:
         self.tokens = tokens
         self._completions: dict[tuple[int, int], list[types_pb2.Completion]] = {}
-        self._responses: dict[tuple[int, int], list[rollout_pb2.GenerateResponse]] = {}
+        self._responses: dict[tuple[int, int], rollout_pb2.GenerateResponse] = {}
 
     def completions(self, version: int, n: int) -> list[types_pb2.Completion]:
         key = (version, n)
@@ -137,13 +138,13 @@ class GroupCache:
             group = self._completions[key] = make_completions(n, version, self.tokens)
         return group
 
-    def responses(self, version: int, n: int) -> list[rollout_pb2.GenerateResponse]:
+    def response(self, version: int, n: int) -> rollout_pb2.GenerateResponse:
         key = (version, n)
-        responses = self._responses.get(key)
-        if responses is None:
+        response = self._responses.get(key)
+        if response is None:
             group = self.completions(version, n)
-            responses = self._responses[key] = [rollout_pb2.GenerateResponse(completion=c) for c in group]
-        return responses
+            response = self._responses[key] = rollout_pb2.GenerateResponse(completions=group)
+        return response
 
 
 class StubEnv:
@@ -309,17 +310,15 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    """Streams the stub's group; stamps `available[request_id]` as it yields the last completion."""
+    """Streams the stub's group in one message; stamps `available[request_id]` as it yields it."""
 
     def __init__(self, rollout: StubRollout) -> None:
         self.rollout = rollout
 
     async def Generate(self, request, context):
-        responses = self.rollout.groups.responses(self.rollout.version, request.sampling_params.n)
-        for response in responses[:-1]:
-            yield response
+        response = self.rollout.groups.response(self.rollout.version, request.sampling_params.n)
         self.rollout.available[request.request_id] = time.perf_counter()
-        yield responses[-1]
+        yield response
 
     async def GetRolloutState(self, request, context):
         r = self.rollout

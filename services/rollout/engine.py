@@ -81,8 +81,9 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(
         self, prompt_token_ids: list[int], sampling: Sampling, request_id: str
-    ) -> AsyncIterator[FinishedCompletion]:
-        """Yield each of the `sampling.n` completions as soon as it finishes (any order).
+    ) -> AsyncIterator[list[FinishedCompletion]]:
+        """Yield the `sampling.n` completions as soon as they finish (any order), those that finished
+        together (in one engine step or batch) in one list, so the service sends them in one message.
 
         Closing the iterator early aborts the unfinished samples.
         """

@@ -146,7 +146,7 @@ class HfEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
     async def generate(
         self, prompt_token_ids: list[int], sampling: Sampling, request_id: str
-    ) -> AsyncIterator[FinishedCompletion]:
+    ) -> AsyncIterator[list[FinishedCompletion]]:
         out: asyncio.Queue = asyncio.Queue(maxsize=sampling.n)
         if self._queue.qsize() + sampling.n > self._queue.maxsize:
             raise ResourceExhausted(f"transformers engine queue is full ({self._queue.maxsize} samples)")
@@ -157,11 +157,16 @@ class HfEngine(RolloutEngine):
         for row in rows:
             self._queue.put_nowait(row)
         try:
-            for _ in range(sampling.n):
-                item = await out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            remaining = sampling.n
+            while remaining:
+                ready = [await out.get()]  # then whatever the same batch finished
+                while not out.empty():
+                    ready.append(out.get_nowait())
+                for item in ready:
+                    if isinstance(item, BaseException):
+                        raise item
+                remaining -= len(ready)
+                yield ready
         finally:
             for row in rows:
                 row.finish = row.finish or "cancelled"  # queued rows of an abandoned request are skipped

@@ -52,12 +52,13 @@ class Status(enum.Enum):
 
 @dataclass(frozen=True)
 class Generated:
-    """One finished completion with the request facts the caller records next to it."""
+    """Completions of one request that finished together, with the request facts the caller records
+    next to them."""
 
     prompt_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: Sampling
-    completion: FinishedCompletion
+    completions: tuple[FinishedCompletion, ...]
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,8 @@ class Rollout:
     async def generate(
         self, request_id: str, prompt: PromptInput, sampling: Sampling
     ) -> AsyncIterator[Generated]:
-        """Validate, admit, tokenize and stream each finished completion of the request."""
+        """Validate, admit, tokenize and stream the request's completions as they finish (those that
+        finished together in one `Generated`)."""
         sampling = normalize_sampling(sampling)
         limits = self.settings.limits
         validate_prompt(prompt, limits)
@@ -210,9 +212,9 @@ class Rollout:
             with self._working():
                 prompt_ids = await self.tokenize(prompt)
                 prompt_tuple = tuple(prompt_ids)  # once per request, shared by its completions
-                async for completion in self._engine.generate(prompt_ids, sampling, request_id):
-                    self._tokens_generated += len(completion.token_ids)
-                    yield Generated(prompt.prompt_id, prompt_tuple, sampling, completion)
+                async for finished in self._engine.generate(prompt_ids, sampling, request_id):
+                    self._tokens_generated += sum(len(c.token_ids) for c in finished)
+                    yield Generated(prompt.prompt_id, prompt_tuple, sampling, tuple(finished))
         finally:
             self._in_flight.discard(request_id)
 

@@ -8,7 +8,7 @@ import grpc
 
 from grpo.common.v1 import types_pb2
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from services.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Sampling
+from services.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FinishedCompletion, Sampling
 from services.rollout.rollout import Generated, Rollout, Status
 from services.rollout.validation import PromptInput
 from services.transports import registry as transports
@@ -69,10 +69,9 @@ def completion_template(generated: Generated, rollout_id: str) -> types_pb2.Comp
 
 
 def fill_completion(
-    message: types_pb2.Completion, generated: Generated, template: types_pb2.Completion
+    message: types_pb2.Completion, completion: FinishedCompletion, template: types_pb2.Completion
 ) -> None:
     """Write one completion into `message` (in place): the request's `template`, then its own fields."""
-    completion = generated.completion
     message.CopyFrom(template)
     message.index = completion.index
     message.completion_token_ids.extend(completion.token_ids)
@@ -83,10 +82,12 @@ def fill_completion(
     message.text = completion.text
 
 
-def completion_to_proto(generated: Generated, rollout_id: str) -> types_pb2.Completion:
-    message = types_pb2.Completion()
-    fill_completion(message, generated, completion_template(generated, rollout_id))
-    return message
+def generate_response(generated: Generated, template: types_pb2.Completion) -> rollout_pb2.GenerateResponse:
+    """One stream message: the completions of the request that finished together."""
+    response = rollout_pb2.GenerateResponse()
+    for completion in generated.completions:
+        fill_completion(response.completions.add(), completion, template)
+    return response
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -98,13 +99,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> AsyncIterator[rollout_pb2.GenerateResponse]:
         prompt = prompt_from_proto(request.prompt)
         sampling = sampling_from_proto(request.sampling_params)
-        template = None  # built from the first completion, copied into each
+        template = None  # built from the first completions, copied into each
         async for generated in self._rollout.generate(request.request_id, prompt, sampling):
             if template is None:
                 template = completion_template(generated, self._rollout.rollout_id)
-            response = rollout_pb2.GenerateResponse()
-            fill_completion(response.completion, generated, template)
-            yield response
+            yield generate_response(generated, template)
 
     async def StageWeights(
         self, request: rollout_pb2.StageWeightsRequest, context: grpc.aio.ServicerContext

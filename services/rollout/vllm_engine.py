@@ -249,13 +249,14 @@ class VllmEngine(RolloutEngine):
 
     async def generate(
         self, prompt_token_ids: list[int], sampling: Sampling, request_id: str
-    ) -> AsyncIterator[FinishedCompletion]:
+    ) -> AsyncIterator[list[FinishedCompletion]]:
         # Deltas of the samples still running: index -> (token ids, logprobs, text pieces)
         pending: dict[int, tuple[list[int], list[float], list[str]]] = {}
         params = self._sampling_params(sampling)
         stream = self._llm.generate(self._engine_input(prompt_token_ids), params, request_id)
         try:
             async for output in stream:
+                finished = []  # the samples this output ends: one message for all of them
                 for out in output.outputs:
                     token_ids, text = out.token_ids, out.text
                     logprobs = _sampled_logprobs(out.logprobs, token_ids)
@@ -273,7 +274,9 @@ class VllmEngine(RolloutEngine):
                     if not params.detokenize:
                         stop = out.finish_reason == "stop"
                         text = completion_text(self._text_decoder, prompt_token_ids, token_ids, stop)
-                    yield self._finished(out, token_ids, logprobs, text)
+                    finished.append(self._finished(out, token_ids, logprobs, text))
+                if finished:
+                    yield finished
         finally:
             await stream.aclose()  # closing vLLM's generator early aborts the unfinished samples
 

@@ -158,7 +158,8 @@ class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
         request = rollout_pb2.GenerateRequest(
             request_id=request_id, prompt=prompt, sampling_params=_sampling_params(sampling)
         )
-        return [item.completion async for item in self.stream("Generate", request, self._timeouts.generate)]
+        stream = self.stream("Generate", request, self._timeouts.generate)
+        return [completion async for item in stream for completion in item.completions]
 
     async def stage(
         self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False

@@ -99,7 +99,7 @@ async def test_training_run_end_to_end(services, tmp_path: Path) -> None:
             prompt=types_pb2.Prompt(id="p", env_name="arithmetic", text="3+4="),
             sampling_params=types_pb2.SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=4),
         )
-        completions = [r.completion async for r in stub.Generate(request, timeout=120)]
+        completions = [c async for r in stub.Generate(request, timeout=120) for c in r.completions]
         await channel.close()
         assert len(completions) == 2
         for c in completions:

@@ -27,7 +27,7 @@ async def engine(tiny_model_dir: Path):
 
 
 async def _collect(eng: HfEngine, prompt: list[int], sampling: Sampling, rid: str):
-    return [c async for c in eng.generate(prompt, sampling, rid)]
+    return [c async for finished in eng.generate(prompt, sampling, rid) for c in finished]
 
 
 @torch.inference_mode()
@@ -59,6 +59,12 @@ async def test_mixed_requests_batch_together_with_their_own_params(engine: HfEng
             )
             assert torch.isfinite(ref).all()  # every sampled token is inside the top-k
             assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
+async def test_completions_finished_by_one_batch_arrive_in_one_list(engine: HfEngine) -> None:
+    sampling = Sampling(n=4, temperature=1.0, max_tokens=5, seed=3)
+    messages = [finished async for finished in engine.generate([5, 6, 7], sampling, "together")]
+    assert [sorted(c.index for c in finished) for finished in messages] == [[0, 1, 2, 3]]
 
 
 async def test_stop_strings_end_the_completion_and_trim_the_text(engine: HfEngine) -> None:

@@ -15,9 +15,9 @@ from grpo.common.v1 import types_pb2
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import FinishedCompletion, Sampling, VersionSpan
 from services.rollout.rollout import INLINE_TOKENIZE_CHARS, Generated, Rollout
-from services.rollout.servicer import completion_template, completion_to_proto, fill_completion
+from services.rollout.servicer import completion_template, fill_completion, generate_response
 from services.rollout.validation import PromptInput
-from services.rollout.vllm_engine import _sampled_logprobs, completion_text
+from services.rollout.vllm_engine import VllmEngine, _sampled_logprobs, completion_text
 
 
 def flat(token_ids: list[int], logprobs: list[float]) -> SimpleNamespace:
@@ -57,8 +57,8 @@ def test_flat_logprobs_that_do_not_line_up_fall_back_or_fail() -> None:
     assert _sampled_logprobs(None, []) == []
 
 
-def generated(index: int, tokens: tuple[int, ...], spans: tuple[VersionSpan, ...]) -> Generated:
-    completion = FinishedCompletion(
+def finished(index: int, tokens: tuple[int, ...], spans: tuple[VersionSpan, ...]) -> FinishedCompletion:
+    return FinishedCompletion(
         index=index,
         token_ids=tokens,
         logprobs=tuple(-0.25 * (i + 1) for i in range(len(tokens))),
@@ -66,21 +66,27 @@ def generated(index: int, tokens: tuple[int, ...], spans: tuple[VersionSpan, ...
         version_spans=spans,
         text=f"text{index}",
     )
-    return Generated("p1", (1, 2, 3), Sampling(n=2, temperature=0.5, max_tokens=4, seed=9), completion)
+
+
+def generated(*completions: FinishedCompletion) -> Generated:
+    return Generated("p1", (1, 2, 3), Sampling(n=3, temperature=0.5, max_tokens=4, seed=9), completions)
 
 
 def test_completions_of_one_request_share_a_template_but_nothing_else() -> None:
-    first = generated(0, (10, 11), (VersionSpan(3, 0, 2),))
-    second = generated(1, (12, 13, 14), (VersionSpan(3, 0, 1), VersionSpan(4, 1, 3)))
-    template = completion_template(first, "r0")
-    messages = []
-    for item in (first, second):
-        message = types_pb2.Completion()
-        fill_completion(message, item, template)
-        messages.append(message)
-    assert messages[0] == completion_to_proto(first, "r0")
-    assert messages[1] == completion_to_proto(second, "r0")
-    one, two = messages
+    first = finished(0, (10, 11), (VersionSpan(3, 0, 2),))
+    second = finished(1, (12, 13, 14), (VersionSpan(3, 0, 1), VersionSpan(4, 1, 3)))
+    third = finished(2, (15,), (VersionSpan(4, 0, 1),))
+    together, later = generated(first, second), generated(third)
+    template = completion_template(together, "r0")
+    responses = [generate_response(together, template), generate_response(later, template)]
+    assert [len(r.completions) for r in responses] == [2, 1]  # one message per finishing step
+    for item, message in zip(
+        (first, second, third), [c for r in responses for c in r.completions], strict=True
+    ):
+        alone = types_pb2.Completion()  # the same completion built from a template of its own
+        fill_completion(alone, item, completion_template(generated(item), "r0"))
+        assert message == alone
+    one, two = responses[0].completions
     assert (one.index, list(one.completion_token_ids), one.text) == (0, [10, 11], "text0")
     assert (two.index, list(two.completion_token_ids), two.text) == (1, [12, 13, 14], "text1")
     assert list(two.logprobs) == [-0.25, -0.5, -0.75] and len(one.logprobs) == 2
@@ -88,10 +94,50 @@ def test_completions_of_one_request_share_a_template_but_nothing_else() -> None:
     assert [(s.version, s.start, s.end) for s in one.version_spans] == [(3, 0, 2)]
     assert one.finish_reason == types_pb2.FINISH_REASON_STOP
     assert two.finish_reason == types_pb2.FINISH_REASON_LENGTH
-    for message in messages:
+    for message in (c for r in responses for c in r.completions):
         assert message.prompt_id == "p1" and list(message.prompt_token_ids) == [1, 2, 3]
         assert message.rollout_id == "r0" and message.sampling_params.seed == 9
     assert len(template.completion_token_ids) == 0  # the template itself is never written
+
+
+def sample(index: int, tokens: list[int], finish: str | None) -> SimpleNamespace:
+    """A vLLM `CompletionOutput` delta as the rollout reads it (flat logprobs, text, finish reason)."""
+    return SimpleNamespace(
+        index=index,
+        token_ids=tokens,
+        logprobs=flat(tokens, [-0.5] * len(tokens)),
+        text="".join(map(str, tokens)),
+        finish_reason=finish,
+        weight_versions=None,
+    )
+
+
+async def test_vllm_samples_finishing_in_one_output_are_yielded_together() -> None:
+    """Each vLLM `RequestOutput` becomes at most one list (one stream message): samples that finish in
+    it go together, with their first-token deltas joined; an output finishing nothing yields nothing."""
+    sampling_params = pytest.importorskip("vllm.sampling_params")
+    outputs = [
+        [sample(0, [1], None), sample(1, [2], None), sample(2, [3], None)],  # first tokens
+        [sample(1, [4, 5], "length"), sample(2, [6, 7], "length")],  # two finish in one step
+        [sample(0, [8], None)],  # a delta that finishes nothing
+        [sample(0, [9], "stop")],
+    ]
+
+    async def stream():
+        for samples in outputs:
+            yield SimpleNamespace(outputs=samples)
+
+    engine = VllmEngine(RolloutSettings(model="unused"))
+    engine._SamplingParams = sampling_params.SamplingParams
+    engine._delta = sampling_params.RequestOutputKind.DELTA
+    engine._llm = SimpleNamespace(generate=lambda *args: stream())
+    engine._engine_input = lambda ids: ids  # type: ignore[method-assign]
+    got = [finished async for finished in engine.generate([7], Sampling(n=3, max_tokens=3), "r")]
+    assert [[(c.index, c.token_ids, c.text) for c in finished] for finished in got] == [
+        [(1, (2, 4, 5), "245"), (2, (3, 6, 7), "367")],
+        [(0, (1, 8, 9), "189")],
+    ]
+    assert [c.finish_reason for c in got[0] + got[1]] == ["length", "length", "stop"]
 
 
 async def test_short_prompts_tokenize_inline_long_ones_in_a_thread(tiny_model_dir: Path) -> None:

@@ -50,7 +50,7 @@ class Running:
             prompt=prompt,
             sampling_params=types_pb2.SamplingParams(**sampling),
         )
-        return [r.completion async for r in self.stub.Generate(request, timeout=TIMEOUT)]
+        return [c async for r in self.stub.Generate(request, timeout=TIMEOUT) for c in r.completions]
 
     async def score(self, prompt: list[int], completion: list[int], temperature: float):
         sequence = types_pb2.TokenSequence(
@@ -352,10 +352,11 @@ async def test_the_busy_file_reads_busy_exactly_while_the_rollout_works(
         stream = started.app.rollout.generate(
             "r1", PromptInput("p", text="12+34="), Sampling(n=2, max_tokens=4)
         )
-        await anext(stream)  # suspended between its completions: the request is in flight
+        first = await anext(stream)  # both samples of the one batch: suspended, still in flight
+        assert len(first.completions) == 2
         await asyncio.sleep(LINGER_S * 3)
         assert not lender_idle(busy_file)
-        assert len([c async for c in stream]) == 1
+        assert [g async for g in stream] == []
         assert await idle_after_linger()
         await started.generate(_text_prompt(), n=2, max_tokens=4, temperature=1.0)  # over gRPC too
         assert await idle_after_linger()

@@ -94,7 +94,7 @@ async def generate(stub, text: str, **sampling) -> list[types_pb2.Completion]:
         prompt=types_pb2.Prompt(id=text, text=text),
         sampling_params=types_pb2.SamplingParams(**sampling),
     )
-    return [r.completion async for r in stub.Generate(request, timeout=TIMEOUT)]
+    return [c async for r in stub.Generate(request, timeout=TIMEOUT) for c in r.completions]
 
 
 async def score(stub, prompt: list[int], completion: list[int], temperature: float):
@@ -203,6 +203,21 @@ async def test_vllm_text_is_vllms_own_with_and_without_stop_strings(
             assert "1" not in c.text and len(c.logprobs) == len(c.completion_token_ids)
             spans = [(s.version, s.start, s.end) for s in c.version_spans]
             assert spans[0][1] == 0 and spans[-1][2] == len(c.completion_token_ids)
+
+
+async def test_vllm_completions_arrive_complete_in_fewer_messages(vllm_server: str) -> None:
+    """Completions that finish together travel in one message (how vLLM groups its outputs depends on
+    timing; the grouping itself is tested in test_hot_path): every sample exactly once, no empty
+    message."""
+    request = rollout_pb2.GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        prompt=types_pb2.Prompt(id="p", text="12+34="),
+        sampling_params=types_pb2.SamplingParams(n=8, temperature=1.0, max_tokens=6, seed=5),
+    )
+    async with connect(vllm_server) as stub:
+        messages = [list(r.completions) async for r in stub.Generate(request, timeout=TIMEOUT)]
+    assert sorted(c.index for message in messages for c in message) == list(range(8))
+    assert all(messages)
 
 
 async def test_vllm_weight_updates_over_shared_memory_and_grpc_stream(

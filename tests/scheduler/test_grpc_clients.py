@@ -28,12 +28,14 @@ class _Rollout(rollout_pb2_grpc.RolloutServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt.text is empty")
         if request.prompt.id == "crash":
             raise RuntimeError("boom")  # unhandled: INTERNAL... or UNKNOWN
-        for i in range(request.sampling_params.n):
-            yield rollout_pb2.GenerateResponse(
-                completion=types_pb2.Completion(
-                    prompt_id=request.prompt.id, index=i, sampling_params=request.sampling_params
-                )
+        completions = [
+            types_pb2.Completion(
+                prompt_id=request.prompt.id, index=i, sampling_params=request.sampling_params
             )
+            for i in range(request.sampling_params.n)
+        ]
+        yield rollout_pb2.GenerateResponse(completions=completions[:1])  # finished first, alone
+        yield rollout_pb2.GenerateResponse(completions=completions[1:])  # the rest together
 
     async def GetRolloutState(self, request, context):
         return rollout_pb2.GetRolloutStateResponse(

@@ -32,10 +32,10 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("completion",)
-    COMPLETION_FIELD_NUMBER: _ClassVar[int]
-    completion: _types_pb2.Completion
-    def __init__(self, completion: _Optional[_Union[_types_pb2.Completion, _Mapping]] = ...) -> None: ...
+    __slots__ = ("completions",)
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    completions: _containers.RepeatedCompositeFieldContainer[_types_pb2.Completion]
+    def __init__(self, completions: _Optional[_Iterable[_Union[_types_pb2.Completion, _Mapping]]] = ...) -> None: ...
 
 class StageWeightsRequest(_message.Message):
     __slots__ = ("weight_version", "rewind")

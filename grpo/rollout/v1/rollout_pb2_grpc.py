@@ -70,7 +70,8 @@ class RolloutServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Generate `sampling_params.n` completions for one prompt; each is streamed when it finishes.
+        """Generate `sampling_params.n` completions for one prompt. Completions are streamed as they
+        finish; those that finish in the same engine step travel in one response.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -141,6 +141,11 @@ class DemoSettings(BaseSettings):
         default=True,
         description="Prometheus /metrics on a free port per service (<run-dir>/<svc>.metrics-port).",
     )
+    trace: bool = Field(
+        default=False,
+        description="<run-dir>/trace.json: the run's timeline (groups, train steps, sync phases) for "
+        "ui.perfetto.dev (the scheduler's `trace`).",
+    )
 
 
 def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = None) -> dict:
@@ -196,6 +201,7 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
             "eval_samples": cfg.eval_samples,
             "eval_temperature": cfg.eval_temperature or cfg.temperature,
             "run_dir": str(run_dir),
+            "trace": cfg.trace,
             "sampling": {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens},
         },
     }

@@ -142,6 +142,12 @@ class SchedulerSettings(ServiceSettings):
         description="Where metrics.jsonl and the ledger (ledger.sqlite) live; a scheduler restarted on "
         "the same directory continues the run from its ledger.",
     )
+    trace: bool = Field(
+        default=False,
+        description="Write <run_dir>/trace.json, a timeline of the run (each group's generate and score, "
+        "each train step, each weight sync's phases and probe) to open in ui.perfetto.dev; "
+        "services/scheduler/timeline.py.",
+    )
     sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="Training sampling.")
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings, description="Client-call deadlines.")
     tracking: TrackingSettings = Field(

@@ -31,6 +31,7 @@ from services.scheduler.metrics import TokenRate
 from services.scheduler.policy import expected_train_version
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
 from services.scheduler.store import LedgerStore
+from services.scheduler.timeline import SCORE, Timeline
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -70,8 +71,10 @@ class GroupPipeline:
         store: LedgerStore,
         version: Callable[[], int],
         generation: Callable[[], int],
+        timeline: Timeline | None = None,
     ) -> None:
         self.settings = settings
+        self.timeline = timeline or Timeline()
         self.env, self.pool, self.ledger, self.store = env, pool, ledger, store
         self._version, self._generation = version, generation
         self.prompts: asyncio.Queue[Drawn] = asyncio.Queue(maxsize=settings.prompt_buffer)
@@ -156,6 +159,7 @@ class GroupPipeline:
     async def _run_group(self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle) -> None:
         """Generate (rollout) → score (env) → queue for training. Failures drop the group; retryable
         ones re-issue its prompt, and only a rollout failure counts against the rollout."""
+        started = time.perf_counter()
         try:
             completions, versions, tokens = await self._generate(group_id, prompt, handle)
         except GrpoError as exc:
@@ -169,8 +173,13 @@ class GroupPipeline:
             return
         finally:
             await self.pool.release(handle)  # the rollout is free as soon as generation ends
+        generated = time.perf_counter()
         self.ledger.advance(group_id, GroupState.GENERATED, versions=versions)
         self.tokens.add(tokens)
+        self.timeline.async_span(
+            f"generate {handle.name}", "generate", group_id, started, generated,
+            group=group_id, versions=sorted(versions), tokens=tokens,
+        )  # fmt: skip
         try:  # an env that went away (restarting) is waited for: the completions are kept
             scores = await patiently(
                 self.settings.recovery, "env", lambda: self.env.score(prompt, completions)
@@ -178,6 +187,7 @@ class GroupPipeline:
         except GrpoError as exc:
             self.fail(group_id, prompt, "env", exc)
             return
+        self.timeline.async_span(SCORE, "score", group_id, generated, time.perf_counter(), group=group_id)
         if scores.skip_group:  # the env's failure policy: a reward could not be computed
             reasons = "; ".join(i.failure for i in scores.reward_infos if not i.ok)
             self.drop(group_id, f"scoring failed: {reasons}")

@@ -47,6 +47,7 @@ from services.scheduler.rollouts import RolloutPool
 from services.scheduler.status import RolloutStatus, SchedulerStatus
 from services.scheduler.step_sync import StepSync
 from services.scheduler.store import BatchRow, LedgerStore, Snapshot, new_run_id
+from services.scheduler.timeline import EVALUATE, LEARNER, Timeline
 from services.scheduler.tracking import Tracker
 from services.scheduler.weight_sync import SyncResult, WeightSyncer
 
@@ -61,13 +62,15 @@ class Orchestrator:
         self.env, self.learner, self.pool = env, learner, pool
         self.store = LedgerStore(settings.run_dir)
         self.ledger = GroupLedger(sink=self.store.group_changed)
-        self.syncer = WeightSyncer(learner, pool, settings.weight_transport)
+        self.timeline = Timeline()  # records once the run starts with `trace` on
+        self.syncer = WeightSyncer(learner, pool, settings.weight_transport, self.timeline)
         self.alignment = AlignmentProbe(settings, self.syncer)
-        self.step_sync = StepSync(self.syncer, self.alignment, pool)
+        self.step_sync = StepSync(self.syncer, self.alignment, pool, self.timeline)
         self.evaluator = Evaluator(settings, env, pool)
         self.groups = GroupPipeline(
-            settings, env, pool, self.ledger, self.store, lambda: self.version, lambda: self.generation
-        )
+            settings, env, pool, self.ledger, self.store, lambda: self.version, lambda: self.generation,
+            self.timeline,
+        )  # fmt: skip
         self.recovered: deque[ScoredGroup] = deque()  # scored groups a restart found unbatched: first in
         self._batches: dict[int, BatchRow] = {}  # every batch of the run, by step (ids only)
         self._replay: deque[BatchRow] = deque()  # batches to train (again) before new ones
@@ -91,6 +94,8 @@ class Orchestrator:
         """Train until max_steps (or cancellation). Records a failure in `self.error` and re-raises."""
         background = []
         self._metrics = MetricsLog(self.settings.run_dir)
+        if self.settings.trace:
+            self.timeline.open(self.settings.run_dir / "trace.json")
         try:
             snapshot = await self.store.open()
             await self._prepare(snapshot)
@@ -131,6 +136,7 @@ class Orchestrator:
             await asyncio.gather(*background, *in_flight, return_exceptions=True)
             await self.store.close()
             self._metrics.close()
+            await asyncio.to_thread(self.timeline.close)
 
     async def _prepare(self, snapshot: Snapshot) -> None:
         """Learn the learner's version and loss, continue from the ledger if it holds an earlier
@@ -328,7 +334,12 @@ class Orchestrator:
                 await self.step_sync.settle()
                 await self._learner_lost(exc)
                 continue
-            train_ms = (time.perf_counter() - step_started) * 1e3
+            step_ended = time.perf_counter()
+            train_ms = (step_ended - step_started) * 1e3
+            self.timeline.span(
+                LEARNER, "train step", step_started, step_ended,
+                step=result.step, version=result.weight_version, groups=len(groups),
+            )  # fmt: skip
             # before the loop runs anything else: admission reads the version with the pipeline's size
             self.version, self.step = result.weight_version, result.step
             self._acknowledge(row, self._learner_instance, result.weight_version)
@@ -385,7 +396,8 @@ class Orchestrator:
         record["filtered_fraction"] = filtered / (filtered + len(groups))
         if cfg.eval_every and result.step % cfg.eval_every == 0 and lost is None:
             try:
-                record.update(await self.evaluator.run(result.weight_version))
+                with self.timeline.timed(EVALUATE, "evaluate", version=result.weight_version):
+                    record.update(await self.evaluator.run(result.weight_version))
             except GrpoError as exc:  # a peer restarting: skip this evaluation, not the run
                 log.warning("evaluation skipped", error=str(exc))
                 record["eval_error"] = str(exc)

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from services.common.errors import GrpoError
 from services.scheduler.alignment import AlignmentProbe
 from services.scheduler.rollouts import RolloutPool
+from services.scheduler.timeline import SYNC, Timeline
 from services.scheduler.weight_sync import SyncResult, WeightSyncer
 
 # A step's remaining work: given `learner_free`, it resolves it (True: the learner may train on) and
@@ -33,8 +34,15 @@ StepJob = Callable[[asyncio.Future[bool]], Awaitable[GrpoError | None]]
 class StepSync:
     """Syncs and probes the rollouts after each step; runs each step's job behind the next step."""
 
-    def __init__(self, syncer: WeightSyncer, alignment: AlignmentProbe, pool: RolloutPool) -> None:
+    def __init__(
+        self,
+        syncer: WeightSyncer,
+        alignment: AlignmentProbe,
+        pool: RolloutPool,
+        timeline: Timeline | None = None,
+    ) -> None:
         self.syncer, self.alignment, self.pool = syncer, alignment, pool
+        self.timeline = timeline or Timeline()
         self.last_alignment = 0.0  # max |Δ logprob| of the latest probe
         self.job: asyncio.Task[GrpoError | None] | None = None
 
@@ -65,7 +73,8 @@ class StepSync:
         if isinstance(learner, BaseException):
             raise learner
         holding = [h for h in self.pool.healthy() if h.version == version]
-        self.last_alignment = await self.alignment.check(holding, version, learner)
+        with self.timeline.timed(SYNC, "probe", version=version, rollouts=len(holding)):
+            self.last_alignment = await self.alignment.check(holding, version, learner)
         return result, len(holding)
 
     @property

@@ -28,6 +28,7 @@ from services.common.errors import FailedPrecondition, GrpoError
 from services.common.logging import get_logger
 from services.scheduler.clients import LearnerClient, PreparedWeights, TokenScores
 from services.scheduler.rollouts import RolloutHandle, RolloutPool
+from services.scheduler.timeline import SYNC, Timeline
 from services.transports import Receiver, TransportKind
 
 log = get_logger(__name__)
@@ -63,10 +64,17 @@ class PendingSync:
 
 
 class WeightSyncer:
-    def __init__(self, learner: LearnerClient, pool: RolloutPool, transport: TransportKind) -> None:
+    def __init__(
+        self,
+        learner: LearnerClient,
+        pool: RolloutPool,
+        transport: TransportKind,
+        timeline: Timeline | None = None,
+    ) -> None:
         self._learner = learner
         self._pool = pool
         self._kind = transport
+        self._timeline = timeline or Timeline()
         self.lock = asyncio.Lock()
 
     async def sync(self, targets: list[RolloutHandle]) -> SyncResult:
@@ -82,7 +90,9 @@ class WeightSyncer:
         prepared = await self._learner.prepare(self._kind, receivers)
         for handle in targets:
             handle.syncing = True
-        return PendingSync(targets, prepared, started, time.perf_counter())
+        done = time.perf_counter()
+        self._timeline.span(SYNC, "prepare", started, done, version=prepared.version, rollouts=len(targets))
+        return PendingSync(targets, prepared, started, done)
 
     async def complete(self, pending: PendingSync) -> SyncResult:
         """Stage and commit a prepared version on its targets, then let the learner free it."""
@@ -108,6 +118,13 @@ class WeightSyncer:
             )
             for handle in committed:
                 handle.version, handle.needs_sync = prepared.version, False
+            timeline, version = self._timeline, prepared.version
+            timeline.span(
+                SYNC, "stage", pending.prepared_at, after_stage, version=version, rollouts=len(staged)
+            )
+            timeline.span(
+                SYNC, "commit", after_stage, time.perf_counter(), version=version, rollouts=len(committed)
+            )
         finally:
             for handle in targets:
                 handle.syncing = False

@@ -40,6 +40,7 @@ def services(tmp_path: Path, warm_model_dir: Path):
         groups_per_batch=GROUPS,
         eval_every=0,
         transport="shared_memory",
+        trace=True,
     )
     config = tmp_path / "run.toml"
     config.write_text(tomli_w.dumps(run_config(cfg, str(warm_model_dir))))
@@ -90,6 +91,15 @@ async def test_training_run_end_to_end(services, tmp_path: Path) -> None:
         assert report.summary["steps"] == STEPS
         counts = orch.ledger.counts()
         assert sum(counts.values()) == len(records)
+
+        # The run's timeline (--trace): a train step and a sync's phases per version, every trained
+        # group's generate on this rollout; closed JSON once the run ended.
+        events = json.loads((tmp_path / "trace.json").read_text())
+        spans = [(e["name"], e["args"].get("version")) for e in events if e["ph"] == "X"]
+        for name in ("train step", "prepare", "stage", "commit", "probe"):
+            assert [v for n, v in spans if n == name] == list(range(1, STEPS + 1)), name
+        generated = {e["id2"]["local"] for e in events if e["ph"] == "b" and e["name"] == "generate"}
+        assert {r.group_id for r in trained} <= generated
 
         # A fresh generation is stamped with the rollout's current version, which matches the learner.
         channel = open_channel(rollout_addr)

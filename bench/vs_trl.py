@@ -19,6 +19,7 @@ generating and scoring), and the ratio grpo-mesh / TRL of steps/s — above 1.0 
     .venv/bin/python bench/vs_trl.py                                   # tiny: 128 × 2, 24 tokens
     .venv/bin/python bench/vs_trl.py --hidden 512 --layers 10 --max-tokens 128 --steps 12 --skip 3
     .venv/bin/python bench/vs_trl.py --engine transformers             # grpo-mesh with HF-generate rollouts
+    .venv/bin/python bench/vs_trl.py --trace       # + grpo-mesh's timeline per round (ui.perfetto.dev)
 
 By default grpo-mesh runs as `make demo` does (`--cpus split`: the rollout gets half the cores and the
 learner the other half, so vLLM's core-bound OpenMP threads and torch's pool never share a core);
@@ -175,6 +176,7 @@ def run_mesh(args: argparse.Namespace) -> dict:
         args.engine,
     ]
     command += ["--cpus", args.cpus, "--lend-idle-cores", str(not args.no_lend).lower()]
+    command += ["--trace", str(args.trace).lower()]
     started = time.perf_counter()
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     total = time.perf_counter() - started
@@ -212,6 +214,7 @@ def side_command(args: argparse.Namespace, side: str) -> list[str]:
     flags += ["--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--transport", args.transport]
     flags += ["--seed", str(args.seed), "--engine", args.engine, "--cpus", args.cpus]
     flags += ["--no-lend"] if args.no_lend else []
+    flags += ["--trace"] if args.trace else []
     return [sys.executable, str(Path(__file__).resolve()), *flags]
 
 
@@ -281,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=["split", "shared"],
         help="grpo-mesh: how learner and rollouts share the cores (the demo's --cpus).",
     )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="grpo-mesh: record each round's timeline (<run_dir>/trace.json, ui.perfetto.dev).",
+    )
     parser.add_argument("--side", choices=["trl", "grpo-mesh"], help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="Print the summary as JSON.")
     args = parser.parse_args(argv)
@@ -307,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                     f", micro-batches on borrowed cores {result['borrowed']:.0%}"
                     if "borrowed" in result
                     else ""
+                )
+                + (
+                    f", timeline {result['run_dir']}/trace.json" if args.trace and side == "grpo-mesh" else ""
                 ),
                 flush=True,
             )

@@ -1,9 +1,9 @@
 """The post-sync alignment check: after every weight sync, learner and rollouts score one fixed probe
 sequence and must agree on its logprobs (max |Δ| ≤ `alignment_threshold`; fp32 keeps it ≤ 1e-4).
 
-The probe is made once per scheduler start: one seeded completion of the env's first eval prompt, from
-the first rollout that answers. `alignment_action` decides what a disagreement does: `fail` stops the
-run (AlignmentError), `warn` logs it.
+The probe is made once per scheduler start: one seeded completion (at most `alignment_probe_tokens`
+long) of the env's first eval prompt, from the first rollout that answers. `alignment_action` decides
+what a disagreement does: `fail` stops the run (AlignmentError), `warn` logs it.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ class AlignmentProbe:
         self.sequence: types_pb2.TokenSequence | None = None
 
     async def make(self, env: EnvClient, pool: RolloutPool) -> types_pb2.TokenSequence:
-        """A fixed probe: one seeded completion of the env's first eval prompt (from the first rollout
-        that answers; unreachable ones are marked unhealthy)."""
+        """A fixed probe: one seeded completion of the env's first eval prompt, no longer than
+        `alignment_probe_tokens` (from the first rollout that answers; unreachable ones are marked
+        unhealthy)."""
         prompt = (await patiently(self.settings.recovery, "env", partial(env.sample, 1, "eval", start=0)))[0]
         cfg = self.settings.sampling
-        sampling = Sampling(n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=1234)
+        max_tokens = min(cfg.max_tokens, self.settings.alignment_probe_tokens)
+        sampling = Sampling(n=1, temperature=cfg.temperature, max_tokens=max_tokens, seed=1234)
         for handle in pool.healthy():
             try:
                 completions = await handle.client.generate(f"probe-{uuid.uuid4().hex[:8]}", prompt, sampling)

@@ -119,6 +119,13 @@ class SchedulerSettings(ServiceSettings):
     alignment_action: Literal["fail", "warn"] = Field(
         default="fail", description="What to do when the alignment probe exceeds the threshold."
     )
+    alignment_probe_tokens: int = Field(
+        default=32,
+        ge=1,
+        description="Completion tokens of the probe (at most sampling.max_tokens). Differing weights or "
+        "logprob conventions show at every position; what the probe costs the learner and the rollouts "
+        "after each sync grows with its length.",
+    )
     eval_every: int = Field(
         default=0, ge=0, description="Evaluate on the env's eval split every N steps; 0 = off."
     )

@@ -172,6 +172,7 @@ class FakeRollout:
     on_probe: Callable[[FakeRollout], Awaitable[float]] | None = None
     staged: int | None = None
     generated_at: list[int] = field(default_factory=list)  # the loaded version at each generate
+    sampled: list[tuple[str, Sampling]] = field(default_factory=list)  # (request id, sampling) of each
     worked: asyncio.Event = field(default_factory=asyncio.Event)  # set by the first training generate
     commits: list[int] = field(default_factory=list)
     aborts: list[int] = field(default_factory=list)
@@ -195,6 +196,7 @@ class FakeRollout:
             await self.gate.wait()
             self._check_alive()
         self.generated_at.append(self.version)
+        self.sampled.append((request_id, sampling))
         if not request_id.startswith("probe"):
             self.worked.set()
         stamp = self.version

@@ -215,6 +215,19 @@ async def test_the_probe_comes_from_a_rollout_that_answers(tmp_path: Path) -> No
     assert [h.address for h in c.orchestrator.pool.healthy()] == ["r1"]
 
 
+@pytest.mark.parametrize(("max_tokens", "probe_tokens", "asked"), [(128, 32, 32), (6, 32, 6)])
+async def test_the_probe_is_no_longer_than_alignment_probe_tokens(
+    tmp_path: Path, max_tokens: int, probe_tokens: int, asked: int
+) -> None:
+    c = cluster(
+        tmp_path, FakeRollout("r0"), sampling={"max_tokens": max_tokens}, alignment_probe_tokens=probe_tokens
+    )
+    await c.orchestrator.pool.refresh_all(0)
+    await c.orchestrator.alignment.make(c.env, c.orchestrator.pool)
+    ((request_id, sampling),) = c.rollouts["r0"].sampled
+    assert request_id.startswith("probe") and (sampling.n, sampling.max_tokens) == (1, asked)
+
+
 async def test_pause_stops_issuing_and_resume_continues(tmp_path: Path) -> None:
     c = cluster(tmp_path, FakeRollout("r0"))
     c.orchestrator.pause(True)

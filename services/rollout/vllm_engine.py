@@ -3,7 +3,8 @@
 - Generation: one vLLM request per Generate call with all `n` samples (vLLM fans them out, seed + i
   per sample, the prompt rendered once and its KV shared through the prefix cache); `DELTA` output
   with `stream_interval=max_tokens` reports each sample's first token and then the rest when it
-  finishes, so each completion streams on as soon as it is done.
+  finishes, so each completion streams on as soon as it is done (those one `RequestOutput` finishes
+  together, in one list: the service sends them as one message).
 - Behaviour logprobs: `logprobs_mode="processed_logprobs"` + `SamplingParams(logprobs=0)` gives
   log_softmax(logits / T) (after top-k/top-p) of each sampled token; `flat_logprobs` hands them
   over as one list of floats per output (no per-token objects).

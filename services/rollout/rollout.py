@@ -220,8 +220,8 @@ class Rollout:
 
     def _working(self) -> contextlib.AbstractContextManager[None]:
         """Marks the busy file (if any) for the duration: a learner borrowing this rollout's cores
-        looks at it before each pass. Generation, scoring and both sync phases are work here (the
-        scheduler lets the learner train while the rollouts stage and commit)."""
+        looks at it before each pass and each decoder layer's. Generation, scoring and both sync phases
+        are work here (the scheduler lets the learner train while the rollouts stage and commit)."""
         return self._busy.working() if self._busy else contextlib.nullcontext()
 
     async def score(

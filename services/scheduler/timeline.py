@@ -78,11 +78,11 @@ class Timeline:
         self._record(("b", track, name, start, end, args, key))
 
     @contextlib.contextmanager
-    def timed(self, track: str, name: str, **args: Any) -> Iterator[dict[str, Any]]:
-        """`span` around a block; the block may add to the yielded args (a result it learned)."""
+    def timed(self, track: str, name: str, **args: Any) -> Iterator[None]:
+        """`span` around a block."""
         start = time.perf_counter()
         try:
-            yield args
+            yield
         finally:
             self.span(track, name, start, time.perf_counter(), **args)
 

@@ -30,8 +30,8 @@ def test_spans_become_trace_events_and_the_file_is_json_once_closed(tmp_path: Pa
     timeline.span(LEARNER, "train step", t0 + 0.5, t0 + 1.25, step=1)
     timeline.async_span("generate r0", "generate", "g1", t0 + 0.25, t0 + 1.0, tokens=16)
     timeline.async_span("generate r0", "generate", "g2", t0 + 0.5, t0 + 0.75)
-    with timeline.timed(SYNC, "probe", version=1) as args:
-        args["rollouts"] = 2
+    with timeline.timed(SYNC, "probe", version=1, rollouts=2):
+        pass
     timeline.close()
     timeline.close()  # idempotent
     names, events = load(path)

@@ -42,11 +42,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from services.env.builtins.arithmetic import ArithmeticEnv, ArithmeticOptions, score_answer  # noqa: E402
-from services.launch.tiny_model import DEMO_TASK, build_tiny_model  # noqa: E402
+from services.launch.tiny_model import DEMO_TASK, QWEN2_5_0_5B, build_tiny_model  # noqa: E402
+
+SHAPES = {"qwen2.5-0.5b": QWEN2_5_0_5B}  # --shape: a real model's shape, random weights
 
 
-def model_dir(hidden: int, layers: int) -> Path:
-    return REPO / ".cache" / f"bench-qwen2-h{hidden}-l{layers}"
+def build_model(args: argparse.Namespace) -> Path:
+    """The benchmark's model (built once into .cache/): `--shape`'s, else `--hidden` × `--layers`."""
+    if args.shape:
+        return build_tiny_model(REPO / ".cache" / f"bench-{args.shape}-shape", shape=SHAPES[args.shape])
+    directory = REPO / ".cache" / f"bench-qwen2-h{args.hidden}-l{args.layers}"
+    return build_tiny_model(directory, hidden=args.hidden, layers=args.layers)
 
 
 # ---------------------------------------------------------------------------------------------- TRL side
@@ -85,8 +91,8 @@ def run_trl(args: argparse.Namespace) -> dict:
         max_grad_norm=1.0,
         optim="adamw_torch",
         max_steps=args.steps,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=args.device == "cpu",
+        bf16=args.dtype == "bfloat16",
         logging_steps=1,
         report_to="none",
         save_strategy="no",
@@ -174,6 +180,10 @@ def run_mesh(args: argparse.Namespace) -> dict:
         args.transport,
         "--engine",
         args.engine,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
     ]
     command += ["--cpus", args.cpus, "--lend-idle-cores", str(not args.no_lend).lower()]
     command += ["--trace", str(args.trace).lower()]
@@ -213,6 +223,7 @@ def side_command(args: argparse.Namespace, side: str) -> list[str]:
     flags += ["--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size)]
     flags += ["--max-tokens", str(args.max_tokens), "--lr", str(args.lr), "--transport", args.transport]
     flags += ["--seed", str(args.seed), "--engine", args.engine, "--cpus", args.cpus]
+    flags += ["--device", args.device, "--dtype", args.dtype]
     flags += ["--no-lend"] if args.no_lend else []
     flags += ["--trace"] if args.trace else []
     return [sys.executable, str(Path(__file__).resolve()), *flags]
@@ -261,6 +272,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128, help="Model width (multiple of 64).")
     parser.add_argument("--layers", type=int, default=2, help="Model depth.")
     parser.add_argument("--model", type=Path, help="A model directory instead of --hidden/--layers.")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="A real model's shape instead of --hidden/--layers (random weights, the demo's tokenizer).",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="Both sides: cpu, or cuda (TRL on the GPU; grpo-mesh's learner and transformers rollout).",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="Both sides: fp32, or bf16 autocast over fp32 master weights (TRL: --bf16; the demo: --dtype).",
+    )
     parser.add_argument("--steps", type=int, default=40, help="Optimizer steps per side and round.")
     parser.add_argument("--skip", type=int, default=5, help="First steps left out of the steady window.")
     parser.add_argument("--prompts-per-step", type=int, default=4)
@@ -295,9 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip < 1 or args.steps <= args.skip + 1:
         parser.error("need 1 <= --skip < --steps - 1")
     if args.model is None:
-        args.model = build_tiny_model(
-            model_dir(args.hidden, args.layers), hidden=args.hidden, layers=args.layers
-        )
+        args.model = build_model(args)
     if args.side:
         result = run_trl(args) if args.side == "trl" else run_mesh(args)
         print(json.dumps(result))

@@ -42,11 +42,7 @@ import torch  # noqa: E402
 from grpo.common.v1 import types_pb2  # noqa: E402
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc  # noqa: E402
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
-
-QWEN25_05B = dict(  # Qwen2.5-0.5B's shape (config.json of the released model), random weights
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-    num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0,
-)  # fmt: skip
+from services.launch.tiny_model import QWEN2_5_0_5B as QWEN25_05B  # noqa: E402
 
 
 def gpu_memory_mib() -> dict[int, int]:

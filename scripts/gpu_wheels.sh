@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Download, here, the wheels `make gpu-check` needs on the GPU image (Python 3.12, x86-64): the
-# packages grpo-mesh uses that the image does not have, at the versions this checkout was tested
-# with (.venv). They land in .whl/ (git-ignored), which the device tool carries.
+# packages grpo-mesh uses that the image does not have (cryptography: the demo launcher's TLS), and
+# what `bench/vs_trl.py --device cuda` adds (TRL and its datasets; transformers at this checkout's
+# version, which TRL and grpo-mesh were tested with), at the versions this checkout was tested with
+# (.venv, where `pip install -e '.[bench]'` put TRL). They land in .whl/ (git-ignored), which the
+# device tool carries.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PIP=(.venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
@@ -10,7 +13,8 @@ PIP=(.venv/bin/python -m pip download --no-deps --only-binary=:all: --python-ver
 version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 mkdir -p .whl
 for package in grpcio grpcio-health-checking grpcio-reflection protobuf pydantic pydantic-core \
-    pydantic-settings annotated-types typing-inspection python-dotenv structlog tomli-w pytest-asyncio; do
+    pydantic-settings annotated-types typing-inspection python-dotenv structlog tomli-w pytest-asyncio \
+    cryptography cffi pycparser trl datasets dill multiprocess transformers; do
   "${PIP[@]}" "$package==$(version "$package")"
 done
 ls -la .whl

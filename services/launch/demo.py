@@ -68,6 +68,16 @@ class DemoSettings(BaseSettings):
         default=120, ge=0, description="Supervised warm-start steps of the tiny model."
     )
     engine: Literal["auto", "vllm", "transformers"] = Field(default="auto", description="Rollout engine.")
+    device: str = Field(
+        default="auto",
+        description="Where the learner and a transformers-engine rollout run: auto (cuda if available, "
+        "else cpu), cpu, cuda, cuda:1 (vLLM runs where its build does).",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="Learner compute (autocast; master weights stay fp32), published weights and rollout "
+        "weights. bfloat16 is for GPUs; float32 keeps learner and rollout logprobs within 1e-4.",
+    )
     rollouts: int = Field(default=1, ge=1, description="Number of rollout processes.")
     cpus: Literal["split", "shared"] = Field(
         default="split",
@@ -165,7 +175,8 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
         "learner": {
             "model": model,
             **seed,
-            "dtype": "float32",
+            "device": cfg.device,
+            "dtype": cfg.dtype,
             "loss": {"kind": cfg.loss.value, "max_completion_len": cfg.max_tokens},
             "optim": {
                 "lr": cfg.lr,
@@ -175,6 +186,7 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
                 "min_lr_ratio": cfg.min_lr_ratio,
             },
             "lora": {"rank": cfg.lora_rank},
+            "publish": {"export_dtype": cfg.dtype},
             # a restarted learner resumes from its newest checkpoint (and a fresh run has none)
             "checkpoint": {
                 "dir": str(run_dir / "checkpoints"),
@@ -186,9 +198,10 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
             "model": model,
             "engine": cfg.engine,
             **seed,
-            "dtype": "float32",
+            "dtype": cfg.dtype,
             "max_in_flight": cfg.groups_per_batch * (cfg.max_staleness + 1),
             "vllm": {"kv_cache_space_gib": 1},
+            "hf": {"device": cfg.device},
         },
         "scheduler": {
             "group_size": cfg.group_size,
@@ -202,6 +215,9 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
             "eval_temperature": cfg.eval_temperature or cfg.temperature,
             "run_dir": str(run_dir),
             "trace": cfg.trace,
+            # bf16 logprobs of the learner (autocast) and the rollout (bf16 weights) differ by far more
+            # than fp32's 1e-3: the probe's figure is still logged, but only fp32 fails the run on it
+            "alignment_action": "fail" if cfg.dtype == "float32" else "warn",
             "sampling": {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens},
         },
     }

@@ -64,16 +64,28 @@ def build_tokenizer(seed: int = 0, vocab_size: int = 384):
     return fast
 
 
-def build_config(vocab_size: int, eos_id: int, hidden: int = 128, layers: int = 2):
+# Qwen2.5-0.5B's shape (the released model's config.json; 494M parameters), for `build_config`'s
+# `shape`: a benchmark model of a real model's width, depth, attention and vocabulary, with random
+# weights and the demo's tokenizer (its 384 tokens are the first ids of the 151,936; a random model
+# samples the others too, which decode to nothing).
+QWEN2_5_0_5B = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=32768, rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def build_config(vocab_size: int, eos_id: int, hidden: int = 128, layers: int = 2, shape: dict | None = None):
     """A Qwen2 config of this tokenizer: `hidden` wide (a multiple of 64: heads of 64), MLP 3×hidden,
     `layers` deep, one KV head per two query heads. The default (128 × 2) is the demo's 0.3M model;
-    the benchmarks build bigger ones of the same family (512 × 10 ≈ 29M parameters)."""
+    the benchmarks build bigger ones of the same family (512 × 10 ≈ 29M parameters). `shape` replaces
+    any of these fields (`QWEN2_5_0_5B`: a real model's shape)."""
     from transformers import Qwen2Config
 
     if hidden % 64:
         raise ValueError(f"hidden must be a multiple of 64 (heads of 64), got {hidden}")
     heads = hidden // 64
-    return Qwen2Config(
+    fields = dict(
         vocab_size=(vocab_size + 63) // 64 * 64,
         hidden_size=hidden,
         intermediate_size=3 * hidden,
@@ -89,6 +101,7 @@ def build_config(vocab_size: int, eos_id: int, hidden: int = 128, layers: int = 
         pad_token_id=eos_id,
         torch_dtype="float32",
     )
+    return Qwen2Config(**{**fields, **(shape or {})})
 
 
 def warm_start(
@@ -143,11 +156,12 @@ def build_tiny_model(
     task: dict | None = None,
     hidden: int = 128,
     layers: int = 2,
+    shape: dict | None = None,
 ) -> Path:
     """Build (atomically) the tiny model into `out_dir` unless it already exists. Returns `out_dir`.
 
     `task` holds the arithmetic options used for the warm start (default: `DEMO_TASK`); `hidden` and
-    `layers` size the model (see `build_config`).
+    `layers` size the model, `shape` overrides any config field (see `build_config`).
     """
     from transformers import Qwen2ForCausalLM
 
@@ -156,7 +170,7 @@ def build_tiny_model(
         return out_dir
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(seed)
-    config = build_config(len(tokenizer), tokenizer.eos_token_id, hidden, layers)
+    config = build_config(len(tokenizer), tokenizer.eos_token_id, hidden, layers, shape)
     model = Qwen2ForCausalLM(config).float()
     task = dict(DEMO_TASK if task is None else task)
     info: dict = {

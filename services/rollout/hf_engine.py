@@ -91,7 +91,7 @@ class HfEngine(RolloutEngine):
         self._version = 0
         self._borrowed = False  # parameters are views of the learner's buffer (zero-copy cuda_ipc)
         self._max_model_len = settings.max_model_len
-        self._generator = torch.Generator().manual_seed(settings.seed)
+        self._generator: torch.Generator | None = None  # unseeded samples; on the model's device
         self._worker: WorkerContext | None = None  # this process, as weight transports see it
         self._batcher: asyncio.Task | None = None
 
@@ -118,6 +118,8 @@ class HfEngine(RolloutEngine):
             )
         self._max_model_len = settings.max_model_len or limit
         self._worker = WorkerContext(state={}, local_rank=0, device=torch.device(device))
+        # torch.multinomial needs a generator of its input's device
+        self._generator = torch.Generator(device=device).manual_seed(settings.seed)
         self._tokenizer = AutoTokenizer.from_pretrained(
             settings.tokenizer or settings.model, trust_remote_code=settings.trust_remote_code
         )
@@ -152,7 +154,9 @@ class HfEngine(RolloutEngine):
             raise ResourceExhausted(f"transformers engine queue is full ({self._queue.maxsize} samples)")
         rows = []
         for index in range(sampling.n):
-            generator = torch.Generator().manual_seed(sampling.seed + index) if sampling.seed else None
+            generator = None
+            if sampling.seed:
+                generator = torch.Generator(device=self._worker.device).manual_seed(sampling.seed + index)
             rows.append(_Row(list(prompt_token_ids), sampling, index, out, generator))
         for row in rows:
             self._queue.put_nowait(row)
@@ -246,12 +250,20 @@ class HfEngine(RolloutEngine):
             logprobs = processed_logprobs(logits, temperature, top_k, top_p)  # [B, V]
             probs = logprobs.exp()  # [B, V]
             next_ids = torch.full((len(rows),), pad, dtype=torch.long, device=device)  # [B]
+            # unseeded rows in one draw, seeded ones each from its own generator; the tokens and their
+            # logprobs leave the device once per step (not twice per row: on a GPU each is a sync)
+            unseeded = [b for b in active if rows[b].generator is None]
+            if unseeded:
+                at = torch.tensor(unseeded, device=device)  # [U]
+                next_ids[at] = torch.multinomial(probs[at], 1, generator=self._generator)[:, 0]
             for b in active:
-                row = rows[b]
-                token = int(torch.multinomial(probs[b], 1, generator=row.generator or self._generator))
-                row.tokens.append(token)
-                row.logprobs.append(float(logprobs[b, token]))
-                next_ids[b] = token
+                if rows[b].generator is not None:
+                    next_ids[b] = torch.multinomial(probs[b], 1, generator=rows[b].generator)[0]
+            chosen = logprobs.gather(-1, next_ids[:, None])[:, 0]  # [B]
+            tokens, token_logprobs = next_ids.tolist(), chosen.tolist()
+            for b in active:
+                rows[b].tokens.append(tokens[b])
+                rows[b].logprobs.append(token_logprobs[b])
             active = [b for b in active if not self._check_stop(rows[b])]
             if not active:
                 break
@@ -309,6 +321,7 @@ class HfEngine(RolloutEngine):
                 self._own()  # copying into borrowed parameters would write into the learner's buffer
             self._model.load_state_dict(state, strict=True, assign=adopt)
         self._borrowed = adopt
+        del current, state  # the replaced parameters' last references: empty_cache can give them back
         if adopt and self._worker.device.type == "cuda":
             torch.cuda.empty_cache()  # the replaced parameters' memory goes back: no second copy held
         self._version = version

@@ -62,6 +62,12 @@ class HfConfig(_Section):
 
     device: str = Field(default="auto", description="Device (auto, cpu, cuda, cuda:1, ...).")
     max_batch_size: int = Field(default=32, ge=1, description="Samples decoded together in one batch.")
+    slice_ms: float = Field(
+        default=50.0,
+        gt=0,
+        description="Longest stretch of decoding before a weight load or ScoreTokens waiting on the engine "
+        "gets its turn, finished samples go back and new ones join the batch.",
+    )
     num_threads: int = Field(
         default=0, ge=0, description="torch CPU threads (0 = torch default; 1 on busy hosts)."
     )

@@ -1,9 +1,12 @@
 """The transformers engine directly: batching of mixed sampling params, truncated (processed)
-logprobs, stop strings, and that loads happen between batches."""
+logprobs, stop strings, and what runs between decode slices: weight loads (the rows in flight
+re-prefilled under the new weights, with a new version span), scoring, and samples joining."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import threading
 from pathlib import Path
 
 import pytest
@@ -139,3 +142,114 @@ async def test_borrowed_weights_are_copied_out_before_the_lender_reuses_its_buff
             assert torch.equal(tensor, state[key]), key
     await engine.own_weights()  # idempotent: nothing borrowed any more
     assert live() == 123.0
+
+
+class _Paused:
+    """Holds the engine thread after the first decode slice until `go` is set: what the test queues on
+    the engine meanwhile runs right after that slice (the engine's one thread takes work in order)."""
+
+    def __init__(self, engine: HfEngine) -> None:
+        self.first_slice, self.go, self.batch_sizes = threading.Event(), threading.Event(), []
+        decode = engine._decode
+
+        def paused(batch, slice_s):
+            stale = decode(batch, slice_s)
+            self.batch_sizes.append(len(batch.rows))
+            if not self.first_slice.is_set():
+                self.first_slice.set()
+                self.go.wait(30)
+            return stale
+
+        engine._decode = paused
+
+    async def after_first_slice(self) -> None:
+        assert await asyncio.to_thread(self.first_slice.wait, 30)
+
+
+@pytest.fixture
+async def sliced(tiny_model_dir: Path):
+    """An engine whose slices are one token long (slice_ms below one decode step)."""
+    settings = RolloutSettings(
+        model=str(tiny_model_dir),
+        max_model_len=128,
+        hf={"max_batch_size": 16, "num_threads": 1, "slice_ms": 1e-6},
+    )
+    eng = HfEngine(settings)
+    await eng.start()
+    yield eng
+    await eng.stop()
+
+
+def _load_plan(engine: HfEngine, state: dict, monkeypatch: pytest.MonkeyPatch):
+    """`engine.load_weights` arguments that copy `state` in (the transport's half replaced)."""
+    from contextlib import contextmanager
+
+    from services.common import weights
+    from services.rollout import hf_engine
+    from services.transports import LoadPlan, TransportKind
+
+    entries = weights.plan_layout(state)
+    packed = torch.zeros(weights.packed_size(entries), dtype=torch.uint8)
+    weights.pack_range(state, entries, 0, packed)
+
+    @contextmanager
+    def views(plan, tensors, worker):
+        yield weights.tensor_views(packed, tensors)
+
+    monkeypatch.setattr(hf_engine, "open_tensors", views)
+    plan = LoadPlan(TransportKind.shared_memory, {"version": 1}, zero_copy=False)
+    return plan, weights.build_manifest(state, memoryview(packed.numpy()))
+
+
+async def test_a_weight_load_lands_between_slices_and_the_rows_continue_under_it(
+    sliced: HfEngine, reference_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    new_model = copy.deepcopy(reference_model)
+    with torch.no_grad():
+        for parameter in new_model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    plan, manifest = _load_plan(sliced, dict(new_model.state_dict()), monkeypatch)
+    paused = _Paused(sliced)
+    sliced._eos = set()  # run to max_tokens: the switch must fall inside the completion
+    prompt, sampling = [5, 6, 7], Sampling(n=2, temperature=1.0, top_k=5, max_tokens=12, seed=7)
+    generation = asyncio.create_task(_collect(sliced, prompt, sampling, "long"))
+    await paused.after_first_slice()
+    load = asyncio.create_task(sliced.load_weights(plan, manifest, version=1))
+    await asyncio.sleep(0.05)  # load_weights is queued on the engine's thread, behind the slice
+    paused.go.set()
+    await load
+    assert not generation.done()  # the load did not wait for the batch
+    for c in await generation:
+        assert [(s.version, s.start, s.end) for s in c.version_spans] == [(0, 0, 1), (1, 1, 12)]
+        old = _processed_reference(reference_model, prompt, list(c.token_ids), 1.0, 5)
+        new = _processed_reference(new_model, prompt, list(c.token_ids), 1.0, 5)
+        assert torch.allclose(torch.tensor(c.logprobs[:1]), old[:1], atol=1e-4)
+        assert torch.allclose(torch.tensor(c.logprobs[1:]), new[1:], atol=1e-4)  # re-prefilled, then on
+        assert not torch.allclose(old[1:], new[1:], atol=1e-3)  # the weights did change
+
+
+async def test_scoring_waits_for_one_slice_not_for_the_batch(sliced: HfEngine) -> None:
+    paused = _Paused(sliced)
+    sliced._eos = set()
+    generation = asyncio.create_task(_collect(sliced, [5, 6], Sampling(n=2, max_tokens=40), "long"))
+    await paused.after_first_slice()
+    score = asyncio.create_task(sliced.score_tokens([5, 6], [7, 8, 9], 1.0))
+    await asyncio.sleep(0.05)
+    paused.go.set()
+    assert len(await score) == 3
+    assert not generation.done()
+    assert len(await generation) == 2
+
+
+async def test_samples_that_arrive_mid_batch_join_it(sliced: HfEngine) -> None:
+    paused = _Paused(sliced)
+    sliced._eos = set()
+    first = asyncio.create_task(_collect(sliced, [5, 6], Sampling(n=2, max_tokens=20), "first"))
+    await paused.after_first_slice()
+    second = asyncio.create_task(_collect(sliced, [9, 10, 11], Sampling(n=3, max_tokens=5), "second"))
+    await asyncio.sleep(0.05)  # its samples are queued
+    paused.go.set()
+    done, _ = await asyncio.wait([first, second], return_when=asyncio.FIRST_COMPLETED)
+    assert done == {second}  # joined the running batch instead of waiting for it to finish
+    assert len(await second) == 3 and len(await first) == 2
+    assert paused.batch_sizes[0] == 2 and 5 in paused.batch_sizes

@@ -2,12 +2,13 @@
 
 Both sides train the same randomly initialised Qwen2 (the demo's tokenizer, `--hidden` × `--layers`),
 on the same arithmetic prompts ("3+5="; the `arithmetic` env's train stream), with the same exact-match
-reward, group size G, prompts per optimizer step, completion length cap, temperature 1, fp32, AdamW at
-a constant LR with gradient clipping 1.0, no KL term, the `grpo` objective and one optimizer step per
-batch. A random model rarely emits EOS, so completions run to the cap on both sides (the mean
-completion length is printed for each). TRL generates with transformers' `generate`
-(`use_vllm=False`: its vLLM modes need a GPU); grpo-mesh runs its four services as processes
-(`make demo`'s launcher) with vLLM rollouts, one step of staleness and the chosen weight transport.
+reward, group size G, prompts per optimizer step, completion length cap, temperature 1, fp32
+(`--dtype`), AdamW at a constant LR with gradient clipping 1.0, no KL term, the `grpo` objective, one
+optimizer step per batch and no checkpoints. A random model rarely emits EOS, so completions run to
+the cap on both sides (the mean completion length is printed for each). TRL generates with
+transformers' `generate` (`use_vllm=False`: its vLLM modes need a GPU); grpo-mesh runs its four
+services as processes (`make demo`'s launcher) with vLLM rollouts (or `--engine transformers`), one
+step of staleness and the chosen weight transport.
 
 Each side runs in its own subprocess (no shared torch state), alternating sides for `--repeats`
 rounds so run-order effects cancel. Printed per side: steady optimizer steps/s and completions/s (the
@@ -20,6 +21,9 @@ generating and scoring), and the ratio grpo-mesh / TRL of steps/s — above 1.0 
     .venv/bin/python bench/vs_trl.py --hidden 512 --layers 10 --max-tokens 128 --steps 12 --skip 3
     .venv/bin/python bench/vs_trl.py --engine transformers             # grpo-mesh with HF-generate rollouts
     .venv/bin/python bench/vs_trl.py --trace       # + grpo-mesh's timeline per round (ui.perfetto.dev)
+    # on a GPU (`make gpu-check` runs this): Qwen2.5-0.5B's shape, random weights, no vLLM there
+    python bench/vs_trl.py --shape qwen2.5-0.5b --device cuda --engine transformers --transport cuda_ipc \
+        --max-tokens 128 --steps 10 --skip 3 --repeats 1
 
 By default grpo-mesh runs as `make demo` does (`--cpus split`: the rollout gets half the cores and the
 learner the other half, so vLLM's core-bound OpenMP threads and torch's pool never share a core);
@@ -186,6 +190,9 @@ def run_mesh(args: argparse.Namespace) -> dict:
         args.dtype,
     ]
     command += ["--cpus", args.cpus, "--lend-idle-cores", str(not args.no_lend).lower()]
+    # no learner checkpoint inside the run (TRL's side saves none): on the GPU a 0.5B model's full
+    # checkpoint stalled a train step by ~7.5 s
+    command += ["--checkpoint-every", str(args.steps + 1)]
     command += ["--trace", str(args.trace).lower()]
     started = time.perf_counter()
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)

@@ -8,7 +8,9 @@ learner and the rollout half are here): what gRPC itself costs, so the stream's 
 A real Learner service (in-process gRPC server on 127.0.0.1:0) publishes the weights of a random
 Qwen2 model of the chosen size; the rollout's real staging code (`services.rollout.weight_sync`,
 which calls each transport's rollout half in `services/transports/`, with the engine's worker half
-in this process) fetches, receives or attaches them and verifies their checksums. Reports prepare
+in this process, or with `--stage-in process` in a second one) fetches, receives or attaches them and
+verifies their checksums. cuda_ipc always stages in a second process: CUDA opens no IPC handle in the
+process that exported it ("invalid device context", seen on an H200). Reports prepare
 (learner: pack + checksum) and stage (fetch/receive/attach + verify) times and bandwidth. Loading
 into an engine is not included (it does not depend on the transport). cuda_ipc needs a GPU
 (`--device cuda`); nccl runs over Gloo on CPU, and over NCCL from GPU 0 to GPU 1 where there are two.
@@ -20,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +34,7 @@ import grpc
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from grpo.common.v1 import types_pb2
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
 from services.common.clients import grpc_options, open_channel
 from services.common.serve import start_server
@@ -106,7 +112,73 @@ async def raw_stream_ms(nbytes: int, chunk: int, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-async def measure(model_dir: Path, repeats: int, device: str) -> dict[str, dict]:
+class InProcess:
+    """The rollout's staging half in this process: one stager across versions, as a rollout has it
+    (what a transport keeps between versions, e.g. grpc_stream's receive segment, is kept)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stager = WeightStager(
+            "bench", fetch_timeout_s=600, workers=LocalWorkers(WorkerContext({}, 0, device))
+        )
+
+    async def stage_ms(self, message: types_pb2.WeightVersion) -> float:
+        started = time.perf_counter()
+        staged = await self.stager.stage(target_from_proto(message), current_version=-1)
+        elapsed = (time.perf_counter() - started) * 1e3
+        await self.stager.abort(staged.version)  # released, as after its commit
+        return elapsed
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+ANSWER = "stage_ms="
+
+
+class InChild:
+    """The same staging half in a second process (`--stage-child`): each version's WeightVersion goes
+    over its stdin as hex-encoded protobuf, its stage time comes back on its stdout."""
+
+    def __init__(self, device: torch.device) -> None:
+        root = str(Path(__file__).resolve().parents[1])
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--stage-child", str(device)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+
+    async def stage_ms(self, message: types_pb2.WeightVersion) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(message.SerializeToString().hex() + "\n")
+        self.proc.stdin.flush()
+        while answer := await asyncio.to_thread(self.proc.stdout.readline):
+            if answer.startswith(ANSWER):  # other lines: the child's log
+                return float(answer.removeprefix(ANSWER))
+        raise RuntimeError(f"the staging process ended (exit {self.proc.wait()})")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def stage_child(device: str) -> None:
+    """`--stage-child`: stage every WeightVersion read from stdin, answer its stage time in ms."""
+
+    async def serve() -> None:
+        stager = InProcess(torch.device(device))
+        while line := await asyncio.to_thread(sys.stdin.readline):
+            message = types_pb2.WeightVersion.FromString(bytes.fromhex(line.strip()))
+            print(f"{ANSWER}{await stager.stage_ms(message)}", flush=True)
+        stager.close()
+
+    asyncio.run(serve())
+
+
+async def measure(model_dir: Path, repeats: int, device: str, stage_in: str = "thread") -> dict[str, dict]:
     settings = LearnerSettings(model=str(model_dir), device=device, dtype="float32", port=0)
     app = LearnerApp(settings)
     running = await start_server(app, settings)
@@ -124,31 +196,30 @@ async def measure(model_dir: Path, repeats: int, device: str) -> dict[str, dict]
             if name == "nccl" and nccl_device is None:
                 results[name] = {"skipped": "NCCL needs a second GPU (one rank per device)"}
                 continue
-            # the rollout engine's one worker, in this process (as the transformers engine has it)
-            workers = LocalWorkers(
-                WorkerContext({}, 0, torch.device(nccl_device if name == "nccl" else device))
+            # the rollout engine's one worker (as the transformers engine has it); the first version is
+            # the warm-up
+            worker_device = torch.device(nccl_device if name == "nccl" else device)
+            stager = (
+                InChild(worker_device)
+                if stage_in == "process" or name == "cuda_ipc"
+                else InProcess(worker_device)
             )
             medium = "device" if name == "cuda_ipc" or (name == "nccl" and device == "cuda") else "host"
             rows = results[name] = {"medium": medium, "prepare_ms": [], "stage_ms": [], "bytes": []}
-            # one stager across versions, as a rollout has it (what a transport keeps between versions,
-            # e.g. grpc_stream's receive segment, is kept); the first version is the warm-up
-            stager = WeightStager("bench", fetch_timeout_s=600, workers=workers)
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                request = learner_pb2.PrepareWeightsRequest(transport=kind, receivers=receivers)
-                prepared = await learner.PrepareWeights(request, timeout=600)
-                t1 = time.perf_counter()
-                staged = await stager.stage(target_from_proto(prepared.weight_version), current_version=-1)
-                t2 = time.perf_counter()
-                await stager.abort(staged.version)  # released, as after its commit
-                del staged
-                await learner.ReleaseWeights(
-                    learner_pb2.ReleaseWeightsRequest(version=prepared.weight_version.version), timeout=60
-                )
-                rows["prepare_ms"].append((t1 - t0) * 1e3)
-                rows["stage_ms"].append((t2 - t1) * 1e3)
-                rows["bytes"].append(prepared.weight_version.total_bytes)
-            stager.close()
+            try:
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    request = learner_pb2.PrepareWeightsRequest(transport=kind, receivers=receivers)
+                    prepared = await learner.PrepareWeights(request, timeout=600)
+                    t1 = time.perf_counter()
+                    rows["stage_ms"].append(await stager.stage_ms(prepared.weight_version))
+                    await learner.ReleaseWeights(
+                        learner_pb2.ReleaseWeightsRequest(version=prepared.weight_version.version), timeout=60
+                    )
+                    rows["prepare_ms"].append((t1 - t0) * 1e3)
+                    rows["bytes"].append(prepared.weight_version.total_bytes)
+            finally:
+                stager.close()
             for column in ("prepare_ms", "stage_ms"):
                 rows[column] = rows[column][1:]
     finally:
@@ -166,11 +237,21 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--stage-in",
+        choices=["thread", "process"],
+        default="thread",
+        help="Where the rollout's staging half runs: this process, or a second one (cuda_ipc: always).",
+    )
+    parser.add_argument("--stage-child", metavar="DEVICE", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.stage_child:
+        stage_child(args.stage_child)
+        return
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         params = build_model(Path(tmp), args.hidden, args.layers, args.vocab)
-        results = asyncio.run(measure(Path(tmp), args.repeats, args.device))
+        results = asyncio.run(measure(Path(tmp), args.repeats, args.device, args.stage_in))
     nbytes = results["grpc_stream"]["bytes"][0]
     raw_ms = asyncio.run(raw_stream_ms(nbytes, CHUNK_BYTES, args.repeats))
     baselines = {"host": copy_ms(nbytes, torch.device("cpu"), args.repeats)}

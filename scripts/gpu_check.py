@@ -12,10 +12,14 @@
        Qwen2.5-0.5B's width, depth and vocabulary): every transport against grpc_stream and its
        medium's copy (cuda_ipc against a device-to-device copy; nccl from GPU 0 to GPU 1 where there
        are two, else skipped)
+    4. grpo-mesh end to end against TRL on the GPU (`bench/vs_trl.py --shape qwen2.5-0.5b --device cuda
+       --engine transformers --transport cuda_ipc`, 128-token completions, `--e2e-steps` steps, one
+       round; fp32): optimizer steps/s of both and their ratio (TRL and its datasets travel as wheels:
+       `make gpu-wheels`)
 
 The report goes to stdout and, where $OUT is set (the device tool), to $OUT/gpu_check.json.
 
-    python scripts/gpu_check.py [--syncs 100] [--dtypes bfloat16 float32]
+    python scripts/gpu_check.py [--syncs 100] [--dtypes bfloat16 float32] [--e2e-steps 10]
     python scripts/gpu_check.py --cpu-rehearsal   # the same two-process flow on CPU, over
                                                   # shared_memory with a small model: checks the script
 """
@@ -223,6 +227,18 @@ def cuda_ipc_check(
                 proc.kill()
 
 
+def end_to_end(steps: int) -> dict:
+    """bench/vs_trl.py on the GPU with Qwen2.5-0.5B's shape: its summary table, or why it failed."""
+    run = subprocess.run(
+        [sys.executable, "bench/vs_trl.py", "--shape", "qwen2.5-0.5b", "--device", "cuda", "--engine",
+         "transformers", "--transport", "cuda_ipc", "--max-tokens", "128", "--steps", str(steps),
+         "--skip", str(min(3, steps - 2)), "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, check=False, timeout=900, env=child_env(),
+    )  # fmt: skip
+    lines = [line for line in run.stdout.strip().splitlines() if line.strip()]
+    return {"exit_code": run.returncode, "table": lines[-6:] if run.returncode == 0 else run.stderr[-3000:]}
+
+
 def rehearse() -> int:
     """The two-process flow on CPU: everything but CUDA (GPU memory reads as 0 without nvidia-smi)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,6 +255,9 @@ def main() -> int:
     )
     parser.add_argument("--syncs", type=int, default=100)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument(
+        "--e2e-steps", type=int, default=10, help="Steps per side of the end-to-end benchmark (0: skip it)."
+    )
     parser.add_argument(
         "--cpu-rehearsal",
         action="store_true",
@@ -283,6 +302,8 @@ def main() -> int:
     lines = bench.stdout.strip().splitlines()
     start_at = next((i for i, line in enumerate(lines) if line.startswith("model:")), len(lines))
     report["benchmark"] = {"exit_code": bench.returncode, "table": lines[start_at:] or bench.stderr[-2000:]}
+    if args.e2e_steps:
+        report["e2e_vs_trl"] = end_to_end(args.e2e_steps)
     text = json.dumps(report, indent=2)
     print(text)
     if os.environ.get("OUT"):
@@ -290,6 +311,7 @@ def main() -> int:
     ok = (
         report["gpu_tests"]["exit_code"] == 0
         and report["benchmark"]["exit_code"] == 0
+        and report.get("e2e_vs_trl", {"exit_code": 0})["exit_code"] == 0
         and all(
             r.get("alignment_ok") and r.get("no_leak") and r.get("zero_copy_attach")
             for r in report["cuda_ipc"]

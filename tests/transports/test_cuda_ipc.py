@@ -5,8 +5,12 @@ and verified through the engine half, zero copy."""
 
 from __future__ import annotations
 
-import asyncio
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ from grpo.common.v1 import types_pb2
 from services.common import weights
 from services.common.checksums import ChecksumAlgorithm
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.transports import PublishContext, StageContext, TransportKind, WorkerContext
+from services.transports import PublishContext, TransportKind, WorkerContext
 from services.transports import registry as transports
 from services.transports.cuda_ipc import IpcExport, check_export
 
@@ -110,6 +114,31 @@ def test_without_a_gpu_both_halves_refuse_precisely() -> None:
         pass
 
 
+# The engine half, in a second process: CUDA opens no IPC handle in the process that exported it
+# (on an H200 the same-process attach failed with "invalid device context"). Reads the WeightVersion
+# as hex-encoded protobuf, stages (attach + verify) and opens the tensors, writes 42 into the first
+# element of b.bias through its view, and reports what it read.
+ENGINE_HALF = """
+import asyncio, json, sys, torch
+from grpo.common.v1 import types_pb2
+from services.transports import StageContext, TransportKind, WorkerContext
+from services.transports import registry as transports
+
+message = types_pb2.WeightVersion.FromString(bytes.fromhex(sys.stdin.readline().strip()))
+workers = transports.LocalWorkers(WorkerContext({}, 0, torch.device("cuda")))
+ipc = transports.get(TransportKind.cuda_ipc)
+staged = asyncio.run(ipc.stage(transports.target_from_proto(message), StageContext("r", 30, workers)))
+out = {"zero_copy": staged.plan.zero_copy, "tensors": {}}
+with transports.open_tensors(staged.plan, list(staged.manifest.tensors), workers.workers[0]) as views:
+    for name, view in views:
+        out["tensors"][name] = view.flatten().tolist()
+        if name == "b.bias":
+            view[0] = 42.0
+    torch.cuda.synchronize()
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
 @pytest.mark.gpu
 def test_gpu_export_attach_verify_and_zero_copy_views() -> None:
     if not torch.cuda.is_available():
@@ -120,16 +149,22 @@ def test_gpu_export_attach_verify_and_zero_copy_views() -> None:
     prepared = IPC.prepare(3, state, ctx)
     message = transports.describe(prepared)
     assert message.checksum_algorithm == types_pb2.CHECKSUM_ALGORITHM_WSUM64
-    target = transports.target_from_proto(message)
 
-    # the engine half in this process (a second process: scripts/gpu_check.py)
-    workers = transports.LocalWorkers(WorkerContext({}, 0, device))
-    staged = asyncio.run(IPC.stage(target, StageContext("r", 30, workers)))
-    assert staged.plan.zero_copy
-    exporter = ctx.state["cuda_ipc"]
-    base = exporter.buffers[3 % 2].data_ptr()
-    with transports.open_tensors(staged.plan, list(staged.manifest.tensors), workers.workers[0]) as views:
-        for name, view in views:
-            assert torch.equal(view, state[name])
-            assert base <= view.data_ptr() < base + exporter.buffers[1].numel()  # a view, not a copy
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run(
+        [sys.executable, "-c", ENGINE_HALF], input=message.SerializeToString().hex() + "\n",
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    result = next((line for line in child.stdout.splitlines() if line.startswith("RESULT ")), None)
+    assert result is not None, child.stdout[-2000:] + child.stderr[-4000:]
+    out = json.loads(result.removeprefix("RESULT "))
+    assert out["zero_copy"]
+    for name, tensor in state.items():
+        assert torch.equal(torch.tensor(out["tensors"][name]), tensor.flatten().cpu()), name
+    # the child's write landed in this process's staging buffer: it read the learner's memory, no copy
+    buffer = ctx.state["cuda_ipc"].buffers[3 % 2]
+    views = dict(weights.tensor_views(buffer, list(prepared.manifest.tensors)))
+    assert views["b.bias"][0].item() == 42.0
+    assert torch.equal(views["b.bias"][1:], state["b.bias"][1:])
     prepared.close()

@@ -70,3 +70,23 @@ def test_seed_reaches_env_learner_and_rollout_only_when_given() -> None:
 def test_cosine_schedule_spans_the_run() -> None:
     optim = run_config(DemoSettings(steps=123), "model-dir")["learner"]["optim"]
     assert optim["schedule"] == "cosine" and optim["total_steps"] == 123 and optim["min_lr_ratio"] == 0.1
+
+
+def test_device_and_dtype_reach_the_learner_and_the_rollout_and_the_services_accept_them() -> None:
+    from services.learner.config import LearnerSettings
+    from services.rollout.config import RolloutSettings
+    from services.scheduler.config import SchedulerSettings
+
+    config = run_config(DemoSettings(), "model-dir")
+    assert config["learner"]["dtype"] == config["rollout"]["dtype"] == "float32"
+    assert config["learner"]["publish"]["export_dtype"] == "float32"
+    assert config["scheduler"]["alignment_action"] == "fail"  # fp32: within 1e-3 or the run stops
+    config = run_config(DemoSettings(device="cuda:1", dtype="bfloat16"), "model-dir")
+    learner, rollout = config["learner"], config["rollout"]
+    assert learner["device"] == rollout["hf"]["device"] == "cuda:1"
+    assert learner["dtype"] == learner["publish"]["export_dtype"] == rollout["dtype"] == "bfloat16"
+    assert config["scheduler"]["alignment_action"] == "warn"
+    # every table is valid for its service's settings
+    assert LearnerSettings.model_validate(learner).publish.export_dtype == "bfloat16"
+    assert RolloutSettings.model_validate(rollout).hf.device == "cuda:1"
+    assert SchedulerSettings.model_validate(config["scheduler"]).alignment_action == "warn"

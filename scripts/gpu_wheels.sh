@@ -14,7 +14,15 @@ version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version
 mkdir -p .whl
 for package in grpcio grpcio-health-checking grpcio-reflection protobuf pydantic pydantic-core \
     pydantic-settings annotated-types typing-inspection python-dotenv structlog tomli-w pytest-asyncio \
-    cryptography cffi pycparser trl datasets dill multiprocess transformers; do
+    cryptography cffi pycparser transformers; do
   "${PIP[@]}" "$package==$(version "$package")"
+done
+# bench/vs_trl.py's side: only where `.venv/bin/pip install -e '.[bench]'` installed TRL here
+for package in trl datasets dill multiprocess; do
+  if current=$(version "$package" 2>/dev/null); then
+    "${PIP[@]}" "$package==$current"
+  else
+    echo "$package is not installed in .venv: the GPU check's end-to-end benchmark will lack it" >&2
+  fi
 done
 ls -la .whl

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from grpo.common.v1 import types_pb2  # noqa: E402
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc  # noqa: E402
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
-from services.launch.tiny_model import QWEN2_5_0_5B as QWEN25_05B  # noqa: E402
+from services.launch.tiny_model import QWEN2_5_0_5B  # noqa: E402
 
 
 def gpu_memory_mib() -> dict[int, int]:
@@ -65,7 +65,7 @@ def gpu_memory_mib() -> dict[int, int]:
 
 
 REHEARSAL_SHAPE = {  # the same architecture, small enough for a CPU rehearsal
-    **QWEN25_05B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    **QWEN2_5_0_5B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "max_position_embeddings": 1024,
 }  # fmt: skip
 
@@ -75,7 +75,7 @@ REHEARSAL_SHAPE = {  # the same architecture, small enough for a CPU rehearsal
 TOKENIZER_VOCAB = 384
 
 
-def build_model(directory: Path, shape: dict = QWEN25_05B) -> int:
+def build_model(directory: Path, shape: dict = QWEN2_5_0_5B) -> int:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from services.launch.tiny_model import build_tokenizer
@@ -295,8 +295,8 @@ def main() -> int:
                 report["cuda_ipc"].append({"dtype": dtype, "error": f"{type(exc).__name__}: {exc}"[:4000]})
     bench = subprocess.run(
         [sys.executable, "bench/weight_transport.py", "--device", "cuda", "--repeats", "3",
-         "--hidden", str(QWEN25_05B["hidden_size"]), "--layers", str(QWEN25_05B["num_hidden_layers"]),
-         "--vocab", str(QWEN25_05B["vocab_size"])],
+         "--hidden", str(QWEN2_5_0_5B["hidden_size"]), "--layers", str(QWEN2_5_0_5B["num_hidden_layers"]),
+         "--vocab", str(QWEN2_5_0_5B["vocab_size"])],
         cwd=ROOT, capture_output=True, text=True, check=False, timeout=900, env=child_env(),
     )  # fmt: skip
     lines = bench.stdout.strip().splitlines()

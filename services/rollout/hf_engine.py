@@ -213,7 +213,7 @@ class HfEngine(RolloutEngine):
                         self._deliver(batch.rows)
                         rows = [row for row in batch.rows if not row.finish]
                         room = self._settings.hf.max_batch_size - len(rows)
-                        joining = self._take([], room) if room > 0 else []
+                        joining = self._take([], room)
                         if joining or (rows and stale):
                             rows += joining  # rebuilt: new rows join, or the weights changed
                             break

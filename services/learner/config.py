@@ -198,6 +198,11 @@ class CheckpointConfig(_Section):
     dir: Path | None = Field(default=None, description="Directory for checkpoints; unset = none.")
     every: int = Field(default=0, ge=0, description="Checkpoint every N steps (0 = only at stop).")
     keep: int = Field(default=3, ge=1, description="Keep the newest K checkpoints.")
+    background: bool = Field(
+        default=True,
+        description="Write periodic checkpoints on a background thread: the train step waits only for a "
+        "host copy of the state. The checkpoint at stop is always waited for.",
+    )
     resume: bool = Field(default=False, description="Resume from the newest checkpoint in --checkpoint.dir.")
 
     @model_validator(mode="after")

@@ -1,7 +1,8 @@
 """Training mechanics: one optimizer step per TrainBatch, logprob scoring, export and checkpoints.
 
 Synchronous and single-threaded by design: the service runs every method on one dedicated executor
-thread, so the model is never used by two calls at once and the event loop never blocks.
+thread, so the model is never used by two calls at once and the event loop never blocks. The one
+other thread is the checkpoint writer's: it writes host snapshots, never touching the live model.
 
 A step: plan micro-batches by padded token budget → for each, forward (bf16 autocast on GPU, fp32 on
 CPU) → loss normalised by the *global* sequence/token counts → backward (gradients accumulate, so
@@ -11,6 +12,7 @@ schedule → weight version + 1.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -108,9 +110,12 @@ class Trainer:
         self.step = 0
         self.last_batch_id = ""
         self.last_outcome: StepOutcome | None = None
-        self._saved_step = 0  # step 0 is the model as loaded: nothing to checkpoint
+        self._saved_step = 0  # newest step checkpointed or being written; 0 is the model as loaded
         root = settings.checkpoint.dir
         self.lineage_id = ckpt.ensure_lineage(root) if root is not None else ""
+        self.writer = ckpt.CheckpointWriter() if root is not None else None
+        if root is not None:
+            ckpt.remove_stale_tmp(root)
         if settings.checkpoint.resume:
             self._resume()
 
@@ -221,7 +226,7 @@ class Trainer:
         self.last_outcome = StepOutcome(self.step, self.weight_version, metrics)
         every = self.settings.checkpoint.every
         if self.settings.checkpoint.dir and every > 0 and self.step % every == 0:
-            self.save_checkpoint()
+            self.save_checkpoint(background=self.settings.checkpoint.background)
         return self.last_outcome
 
     @torch.no_grad()
@@ -249,10 +254,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self) -> Path | None:
-        """Atomic checkpoint of the current state, unless this step is already saved."""
+    def save_checkpoint(self, background: bool = False) -> Path | None:
+        """Checkpoint the current state atomically, unless this step is already saved.
+
+        `background`: return once the state is snapshotted; the writer thread puts it on disk (periodic
+        checkpoints, `checkpoint.background`). Otherwise wait until it is on disk (stop), also for a
+        background write of this step, and write again if that one failed. Returns the path written
+        now, or None.
+        """
         cfg = self.settings.checkpoint
-        if cfg.dir is None or self._saved_step == self.step:
+        if cfg.dir is None or self.writer is None:
+            return None
+        if not background:
+            with contextlib.suppress(Exception):  # logged by the writer; this step is written again below
+                self.writer.wait()
+            if self.writer.durable_step == self.step:
+                return None
+        elif self._saved_step == self.step:
             return None
         state = ckpt.TrainerState(
             self.weight_version,
@@ -262,21 +280,16 @@ class Trainer:
             self.settings.model,
             self.lineage_id,
         )
-        path = ckpt.save_checkpoint(
-            cfg.dir,
-            state,
-            trainable_state(self.model),
-            self.optimizer.state_dict(),
-            self.scheduler.state_dict(),
-            cfg.keep,
+        snap = ckpt.snapshot(
+            state, trainable_state(self.model), self.optimizer.state_dict(), self.scheduler.state_dict()
         )
+        self.writer.submit(cfg.dir, snap, cfg.keep)
         self._saved_step = self.step
-        log.info("checkpoint saved", path=str(path), step=self.step)
-        return path
+        return None if background else self.writer.wait()
 
     def _resume(self) -> None:
         root = self.settings.checkpoint.dir
-        assert root is not None  # CheckpointConfig refuses resume without a directory
+        assert root is not None and self.writer is not None  # resume needs a directory (CheckpointConfig)
         loaded = ckpt.load_latest(root)
         if loaded is None:
             log.info("no checkpoint to resume from; starting fresh", dir=str(root))
@@ -295,5 +308,5 @@ class Trainer:
         self.weight_version = loaded.state.weight_version
         self.step = loaded.state.step
         self.last_batch_id = loaded.state.last_batch_id
-        self._saved_step = self.step
+        self._saved_step = self.writer.durable_step = self.step
         log.info("resumed", path=str(loaded.path), step=self.step, weight_version=self.weight_version)

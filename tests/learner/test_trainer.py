@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from services.common.advantages import LossKind
 from services.common.cpus import BusyFile
+from services.learner import checkpoint as ckpt
 from services.learner.batching import Sample, collate, plan_micro_batches
 from services.learner.checkpoint import list_checkpoints
 from services.learner.config import (
@@ -290,10 +293,78 @@ def test_periodic_checkpoints_are_atomic_and_pruned(micro_model_dir, tmp_path, m
     trainer = make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path, every=1, keep=2))
     for i in range(3):
         trainer.train_step(make_samples(2, seed=i), f"b{i}")
+    trainer.writer.wait()  # the last one is written in the background
     names = [p.name for p in list_checkpoints(tmp_path)]
     assert names == ["step_00000002", "step_00000003"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
     assert trainer.save_checkpoint() is None  # this step is already saved
+
+
+def test_background_checkpoint_is_the_state_at_its_step(micro_model_dir, tmp_path, make_samples, monkeypatch):
+    """Training goes on while the step-2 checkpoint is written; what is written is step 2's state (the
+    optimizer's moments change in place), so resuming from it equals the uninterrupted run."""
+    batches = [make_samples(5, seed=20 + i) for i in range(4)]
+    opts = {"optim": OptimConfig(lr=1e-2, warmup_steps=1, weight_decay=0.01)}
+    straight = make_trainer(micro_model_dir, **opts)
+    for i, batch in enumerate(batches):
+        straight.train_step(batch, f"b{i}")
+
+    release = threading.Event()
+    real_save = ckpt.save_checkpoint
+
+    def held_save(*args, **kwargs):
+        assert release.wait(timeout=30)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", held_save)
+    first = make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path, every=2), **opts)
+    for i, batch in enumerate(batches[:3]):
+        first.train_step(batch, f"b{i}")  # step 3 trains while step 2's write is held
+    assert list_checkpoints(tmp_path) == []
+    release.set()
+    assert first.writer.wait() == tmp_path / "step_00000002"
+    del first
+
+    resumed = make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path, resume=True), **opts)
+    assert (resumed.step, resumed.last_batch_id) == (2, "b1")
+    for i, batch in enumerate(batches[2:], start=2):
+        resumed.train_step(batch, f"b{i}")
+    expected = _state(straight)
+    for name, value in _state(resumed).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_checkpoint_at_stop_writes_again_after_a_failed_background_write(
+    micro_model_dir, tmp_path, make_samples, monkeypatch
+):
+    real_save = ckpt.save_checkpoint
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(args[1].state.step)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", failing_once)
+    trainer = make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path, every=1))
+    trainer.train_step(make_samples(2, seed=0), "b0")  # its background write fails (and is logged)
+    with pytest.raises(OSError, match="No space"):
+        trainer.writer.wait()
+    assert trainer.save_checkpoint() == tmp_path / "step_00000001"  # what Learner.stop does
+    assert calls == [1, 1]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
+    assert trainer.save_checkpoint() is None  # on disk now
+
+
+def test_half_written_checkpoints_of_dead_writers_are_removed_at_start(micro_model_dir, tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    live = os.getppid()  # a live process that might be writing there: left alone
+    for pid in (int(gone.stdout), os.getpid(), live):
+        (tmp_path / f".tmp-step_00000007-{pid}").mkdir()
+        (tmp_path / f".tmp-step_00000007-{pid}" / "model.safetensors").write_bytes(b"partial")
+    make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path))
+    assert [p.name for p in tmp_path.glob(".tmp-step_*")] == [f".tmp-step_00000007-{live}"]
 
 
 def test_resume_without_checkpoint_starts_fresh(micro_model_dir, tmp_path):

@@ -14,7 +14,9 @@ Each side runs in its own subprocess (no shared torch state), alternating sides 
 rounds so run-order effects cancel. Printed per side: steady optimizer steps/s and completions/s (the
 first `--skip` steps excluded: start-up, compilation, the first weight sync), the learner's idle
 fraction (wall time of the steady window not spent in a train step; for TRL, the time spent
-generating and scoring), and the ratio grpo-mesh / TRL of steps/s — above 1.0 grpo-mesh is faster.
+generating and scoring), generation time per step (TRL: its `generate` calls; grpo-mesh, with
+`--trace`: the part of the window in which some group was being generated, from the timeline; it
+overlaps training) and the ratio grpo-mesh / TRL of steps/s — above 1.0 grpo-mesh is faster.
 
     .venv/bin/pip install -e '.[bench]'      # TRL, for this benchmark only
     .venv/bin/python bench/vs_trl.py                                   # tiny: 128 × 2, 24 tokens
@@ -203,13 +205,13 @@ def run_mesh(args: argparse.Namespace) -> dict:
     window = steady[-1]["time"] - rows[args.skip - 1]["time"]
     steps = len(steady)
     train = sum(r["learner/step_time_s"] for r in steady)
-    gen = [r["generation_s"] for r in steady if "generation_s" in r]
+    gen = generation_per_step(run_dir / "trace.json", args.skip) if args.trace else float("nan")
     return {
         "side": "grpo-mesh",
         "steps_per_s": steps / window,
         "completions_per_s": steps * args.prompts_per_step * args.group_size / window,
         "learner_idle": 1.0 - train / window,
-        "generation_s": statistics.median(gen) if gen else float("nan"),
+        "generation_s": gen,
         "train_s": train / steps,
         "sync_s": statistics.median(r.get("sync_ms", 0.0) for r in steady) / 1e3,
         "borrowed": sum(r.get("learner/borrowed_micro_batches", 0.0) for r in steady)
@@ -220,6 +222,34 @@ def run_mesh(args: argparse.Namespace) -> dict:
         "wall_s": total,
         "run_dir": str(run_dir),
     }
+
+
+def generation_per_step(trace: Path, skip: int) -> float:
+    """Seconds per optimizer step in which at least one group was being generated: the union of the
+    timeline's `generate` spans over the steady window (from the end of train step `skip` to the end of
+    the last), divided by the steps in it. NaN without a timeline."""
+    if not trace.exists():
+        return float("nan")
+    events = json.loads(trace.read_text())
+    ends = sorted(e["ts"] + e["dur"] for e in events if e.get("ph") == "X" and e["name"] == "train step")
+    if len(ends) <= skip:
+        return float("nan")
+    start, stop = ends[skip - 1] if skip else 0.0, ends[-1]
+    opened: dict[tuple, float] = {}
+    spans = []
+    for e in sorted((e for e in events if e.get("name") == "generate"), key=lambda e: e["ts"]):
+        key = (e.get("cat"), json.dumps(e.get("id2"), sort_keys=True))
+        if e["ph"] == "b":
+            opened[key] = e["ts"]
+        elif e["ph"] == "e" and key in opened:
+            spans.append((max(opened.pop(key), start), min(e["ts"], stop)))
+    busy, reach = 0.0, start
+    for begin, end in sorted(spans):
+        begin = max(begin, reach)
+        if end > begin:
+            busy += end - begin
+            reach = end
+    return busy / 1e6 / (len(ends) - skip)
 
 
 # ------------------------------------------------------------------------------------------------ driver

@@ -5,6 +5,7 @@ so a change that breaks the scheduler's loop or its clients fails here as well a
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,21 @@ def test_the_scheduler_benchmark_routes_every_completion_into_trained_batches() 
         assert r["completions_routed"] == steps * groups * group_size, r  # after the warm-up steps
         assert r["groups_dropped"] == 0 and r["completions_per_s"] > 0
         assert 0 <= r["added_p50_ms"] <= r["added_p99_ms"] <= r["added_max_ms"]
+
+
+def test_vs_trl_counts_generation_time_once_where_groups_overlap(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from vs_trl import generation_per_step
+
+    def span(group: str, begin_s: float, end_s: float) -> list[dict]:
+        common = {"name": "generate", "cat": "generate rollout-0", "id2": {"local": group}}
+        return [{**common, "ph": "b", "ts": begin_s * 1e6}, {**common, "ph": "e", "ts": end_s * 1e6}]
+
+    steps = [{"name": "train step", "ph": "X", "ts": (t - 0.5) * 1e6, "dur": 0.5e6} for t in (1, 3, 5)]
+    # window: end of step 1 (t=1) to end of step 3 (t=5), two steps; generating 0–2 and 2.5–4.5 with
+    # two groups overlapping in 3–4: busy 1 (1–2) + 2 (2.5–4.5) = 3 s, i.e. 1.5 s per step
+    events = steps + span("a", 0, 2) + span("b", 2.5, 4) + span("c", 3, 4.5)
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(events))
+    assert generation_per_step(trace, 1) == 1.5
+    assert math.isnan(generation_per_step(tmp_path / "missing.json", 1))  # run without --trace

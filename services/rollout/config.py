@@ -61,7 +61,13 @@ class HfConfig(_Section):
     """The plain-transformers engine, for machines without vLLM."""
 
     device: str = Field(default="auto", description="Device (auto, cpu, cuda, cuda:1, ...).")
-    max_batch_size: int = Field(default=32, ge=1, description="Samples decoded together in one batch.")
+    max_batch_size: int = Field(
+        default=64,
+        ge=1,
+        description="Samples decoded together in one batch. The scheduler keeps groups_per_batch × "
+        "group_size × (max_staleness + 1) samples in flight; on a GPU a decode step costs about the same "
+        "for 32 rows as for 64 (64 instead of 32: 1.20× → 1.71× TRL on a 0.5B shape, H200).",
+    )
     slice_ms: float = Field(
         default=50.0,
         gt=0,

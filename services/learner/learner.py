@@ -2,12 +2,13 @@
 
 Every model operation (load, train step, scoring, weight export + packing, checkpoint snapshot) runs
 on ONE dedicated worker thread (the trainer's writer thread then writes a checkpoint's files): the
-event loop never blocks, and the model is never used by two operations at once. That includes turning a request into samples: `train_step` takes a decoder that the thread
-runs, and `score` builds and validates its sequence there, so the O(tokens) conversion and
-validation of a big batch never stall health checks or FetchWeights; and pushing weights (an nccl
-broadcast), which runs in the same job as packing them, so no optimizer step can interleave. Calls
-queue behind each other in arrival order; a second TrainStep while one is queued or running is
-refused with ResourceExhausted (backpressure instead of an unbounded queue).
+event loop never blocks, and the model is never used by two operations at once. That includes turning
+a request into samples: `train_step` takes a decoder that the thread runs, and `score` builds and
+validates its sequence there, so the O(tokens) conversion and validation of a big batch never stall
+health checks or FetchWeights; and pushing weights (an nccl broadcast), which runs in the same job as
+packing them, so no optimizer step can interleave. Calls queue behind each other in arrival order; a
+second TrainStep while one is queued or running is refused with ResourceExhausted (backpressure
+instead of an unbounded queue).
 """
 
 from __future__ import annotations

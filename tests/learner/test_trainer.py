@@ -367,6 +367,60 @@ def test_half_written_checkpoints_of_dead_writers_are_removed_at_start(micro_mod
     assert [p.name for p in tmp_path.glob(".tmp-step_*")] == [f".tmp-step_00000007-{live}"]
 
 
+_WRITER_KILLED_MID_WRITE = """
+import os, sys, threading
+from pathlib import Path
+sys.path[:0] = [sys.argv[3], sys.argv[3] + "/tests/learner"]
+from conftest import random_samples
+from services.learner import checkpoint as ckpt
+from services.learner.config import CheckpointConfig, LearnerSettings
+from services.learner.trainer import Trainer
+
+real_save = ckpt.save_checkpoint
+
+
+def stalled_save(root, snap, keep):  # a disk that stalls for ever in the middle of step 2's write
+    if snap.state.step < 2:
+        return real_save(root, snap, keep)
+    tmp = root / f".tmp-{ckpt.PREFIX}{snap.state.step:08d}-{os.getpid()}"
+    tmp.mkdir()
+    ckpt.save_file(snap.params, str(tmp / "model.safetensors"))
+    threading.Event().wait()
+
+
+ckpt.save_checkpoint = stalled_save
+trainer = Trainer(LearnerSettings(model=sys.argv[1], device="cpu",
+                                  checkpoint=CheckpointConfig(dir=Path(sys.argv[2]), every=1)))
+for i in range(2):
+    trainer.train_step(random_samples(3, seed=i), f"b{i}")  # step 2 returns; its write stalls
+print("trained", trainer.step, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_learner_killed_mid_write_resumes_from_the_checkpoint_before(micro_model_dir, tmp_path):
+    """A real process, SIGKILLed while its background writer is inside step 2's checkpoint (a stalled
+    disk): step 1's checkpoint is intact, a new learner resumes from it and removes the half-written one."""
+    root = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_KILLED_MID_WRITE, str(micro_model_dir), str(tmp_path), str(root)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = (line.split() for line in child.stdout)  # its log lines, then ours
+        trained = next(words for words in lines if words[:1] == ["trained"])
+        assert trained == ["trained", "2"]  # the step returned while its checkpoint was being written
+        assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
+        (half,) = tmp_path.glob(".tmp-step_00000002-*")
+        assert (half / "model.safetensors").exists() and not (half / "state.json").exists()
+    finally:
+        child.kill()  # SIGKILL
+        child.wait(timeout=30)
+    resumed = make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path, resume=True))
+    assert (resumed.step, resumed.last_batch_id) == (1, "b0")
+    assert not list(tmp_path.glob(".tmp-step_*"))
+
+
 def test_resume_without_checkpoint_starts_fresh(micro_model_dir, tmp_path):
     trainer = make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path, resume=True))
     assert trainer.weight_version == 0

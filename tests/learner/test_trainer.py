@@ -385,6 +385,7 @@ def stalled_save(root, snap, keep):  # a disk that stalls for ever in the middle
     tmp = root / f".tmp-{ckpt.PREFIX}{snap.state.step:08d}-{os.getpid()}"
     tmp.mkdir()
     ckpt.save_file(snap.params, str(tmp / "model.safetensors"))
+    print("stalled", snap.state.step, flush=True)
     threading.Event().wait()
 
 
@@ -407,9 +408,13 @@ def test_a_learner_killed_mid_write_resumes_from_the_checkpoint_before(micro_mod
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        lines = (line.split() for line in child.stdout)  # its log lines, then ours
-        trained = next(words for words in lines if words[:1] == ["trained"])
-        assert trained == ["trained", "2"]  # the step returned while its checkpoint was being written
+        seen = set()
+        for line in child.stdout:  # its log lines and, from its two threads in either order, ours
+            if line.startswith(("trained", "stalled")):
+                seen.add(line.strip())
+            if len(seen) == 2:
+                break
+        assert seen == {"trained 2", "stalled 2"}  # the step returned while its checkpoint was being written
         assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
         (half,) = tmp_path.glob(".tmp-step_00000002-*")
         assert (half / "model.safetensors").exists() and not (half / "state.json").exists()

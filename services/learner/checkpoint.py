@@ -167,15 +167,16 @@ class CheckpointWriter:
     `wait` raises it, for a caller that needs the checkpoint on disk (the one at stop).
     """
 
-    def __init__(self, durable_step: int = 0) -> None:
+    def __init__(self, root: Path, keep: int, durable_step: int = 0) -> None:
+        self.root, self.keep = root, keep
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._pending: Future[Path] | None = None
         self.durable_step = durable_step  # step of the newest checkpoint on disk (0: the model as loaded)
 
-    def submit(self, root: Path, snap: Snapshot, keep: int) -> None:
+    def submit(self, snap: Snapshot) -> None:
         with contextlib.suppress(Exception):  # logged by _write where it failed; this one is a new try
             self.wait()
-        self._pending = self._executor.submit(self._write, root, snap, keep)
+        self._pending = self._executor.submit(self._write, snap)
 
     def wait(self) -> Path | None:
         """Block until the pending write (if any) is on disk; its path, or its error raised."""
@@ -186,12 +187,12 @@ class CheckpointWriter:
         """Finish the pending write (a checkpoint under way is not abandoned) and stop the thread."""
         self._executor.shutdown(wait=True)
 
-    def _write(self, root: Path, snap: Snapshot, keep: int) -> Path:
+    def _write(self, snap: Snapshot) -> Path:
         started = time.perf_counter()
         try:
-            path = save_checkpoint(root, snap, keep)
+            path = save_checkpoint(self.root, snap, self.keep)
         except Exception:
-            log.exception("checkpoint write failed", step=snap.state.step, dir=str(root))
+            log.exception("checkpoint write failed", step=snap.state.step, dir=str(self.root))
             raise
         self.durable_step = snap.state.step
         log.info("checkpoint saved", path=str(path), step=snap.state.step,

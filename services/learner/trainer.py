@@ -113,8 +113,9 @@ class Trainer:
         self._saved_step = 0  # newest step checkpointed or being written; 0 is the model as loaded
         root = settings.checkpoint.dir
         self.lineage_id = ckpt.ensure_lineage(root) if root is not None else ""
-        self.writer = ckpt.CheckpointWriter() if root is not None else None
+        self.writer: ckpt.CheckpointWriter | None = None
         if root is not None:
+            self.writer = ckpt.CheckpointWriter(root, settings.checkpoint.keep)
             ckpt.remove_stale_tmp(root)
         if settings.checkpoint.resume:
             self._resume()
@@ -262,8 +263,7 @@ class Trainer:
         background write of this step, and write again if that one failed. Returns the path written
         now, or None.
         """
-        cfg = self.settings.checkpoint
-        if cfg.dir is None or self.writer is None:
+        if self.writer is None:  # no checkpoint directory
             return None
         if not background:
             with contextlib.suppress(Exception):  # logged by the writer; this step is written again below
@@ -283,7 +283,7 @@ class Trainer:
         snap = ckpt.snapshot(
             state, trainable_state(self.model), self.optimizer.state_dict(), self.scheduler.state_dict()
         )
-        self.writer.submit(cfg.dir, snap, cfg.keep)
+        self.writer.submit(snap)
         self._saved_step = self.step
         return None if background else self.writer.wait()
 

@@ -328,7 +328,7 @@ class HfEngine(RolloutEngine):
                     row.spans.append((batch.version, len(row.tokens)))
                 row.tokens.append(tokens[b])
                 row.logprobs.append(token_logprobs[b])
-            active = [b for b in active if not self._check_stop(rows[b]) and not rows[b].finish]
+            active = [b for b in active if not self._check_stop(rows[b])]  # also rows cancelled meanwhile
             if not active:
                 break
             batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)  # [B, L+1]

@@ -12,9 +12,11 @@ logprobs, as the service asks for them), seed `--seed` (sample i of a prompt: se
 sides; 0 = unseeded). The service tokenizes the prompt text itself (the bench checks it got the
 same ids bare vLLM is given). Bare vLLM gets one request per prompt with all `n` samples and reads
 the final outputs, with vLLM's cheapest logprob form (flat lists) and its text (vLLM's
-detokenizer; `--no-bare-text`: no text, the engine-only floor); the service gets one Generate RPC
-per prompt and streams the completions back as Completion messages (tokens, logprobs, version
-spans, text), those that finished in the same engine step in one GenerateResponse. With a seed
+detokenizer; `--no-bare-text`: no text, the engine-only floor); the service gets the prompts as the
+scheduler sends its groups, through the scheduler's own rollout client (the prompts issued together
+travel in one GenerateBatch call; `--calls per-prompt`: one Generate call each, as before), and
+streams the completions back as Completion messages (tokens, logprobs, version spans, text), those
+that finished in the same engine step in one response. With a seed
 both sides sample the same tokens (the bench reports the fraction of identical completions), so the
 engine does the same work.
 
@@ -42,8 +44,9 @@ What each number means (per run; the summary gives median [min, max] over the ti
     engine CPU s      CPU seconds of the engine-core and worker processes of that side
     client CPU s      CPU seconds of this process during a service run (the gRPC client); on a
                       small machine it competes with the service and the engine for the same cores
-    messages          Generate stream messages the service sent (completions that finish in the same
-                      engine step travel in one message)
+    calls             Generate or GenerateBatch calls the service side made
+    messages          stream messages the service sent (completions that finish in the same engine
+                      step travel in one message, across all requests of a GenerateBatch call)
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class Run:
     frontend_cpu_s: float
     engine_cpu_s: float
     client_cpu_s: float
-    messages: int  # service: Generate stream messages received (bare: 0)
+    calls: int  # service: Generate or GenerateBatch calls made (bare: 0)
+    messages: int  # service: stream messages received (bare: 0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -196,12 +200,27 @@ class Bare:
 
 
 async def run_service(
-    stub: Any, prompts: list[str], args: argparse.Namespace, tag: str
-) -> tuple[list[list[Any]], int]:
-    """One Generate RPC per prompt, all at once; returns each prompt's completions and how many stream
-    messages carried them (the service sends completions that finish in one engine step together)."""
+    stub: Any, client: Any, prompts: list[str], args: argparse.Namespace, tag: str
+) -> tuple[list[list[Any]], int, int]:
+    """All prompts at once, each as the scheduler sends a group (`--calls batched`: its rollout client,
+    which sends those issued together as one GenerateBatch call) or as a Generate call of its own
+    (`--calls per-prompt`); returns each prompt's completions, the calls made and the stream messages
+    that carried them (the service sends completions that finish in one engine step together)."""
     from grpo.common.v1 import types_pb2
     from grpo.rollout.v1 import rollout_pb2
+
+    if args.calls == "batched":
+        from services.scheduler.clients import Sampling
+
+        group = Sampling(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        calls, messages = client.batcher.calls, client.batcher.messages
+        per_prompt = await asyncio.gather(
+            *(
+                client.generate(f"{tag}-{i}", types_pb2.Prompt(id=f"p{i}", text=text), group)
+                for i, text in enumerate(prompts)
+            )
+        )
+        return per_prompt, client.batcher.calls - calls, client.batcher.messages - messages
 
     sampling = types_pb2.SamplingParams(
         n=args.n, temperature=args.temperature, top_p=1.0, max_tokens=args.max_tokens, seed=args.seed
@@ -214,9 +233,8 @@ async def run_service(
         return [list(response.completions) async for response in stub.Generate(request, timeout=600)]
 
     per_prompt = await asyncio.gather(*(one(i, text) for i, text in enumerate(prompts)))
-    return [[c for message in messages for c in message] for messages in per_prompt], sum(
-        map(len, per_prompt)
-    )
+    completions = [[c for message in messages for c in message] for messages in per_prompt]
+    return completions, len(prompts), sum(map(len, per_prompt))
 
 
 def token_lists(side: str, outputs: list[list[Any]]) -> list[list[tuple[int, ...]]]:
@@ -252,6 +270,8 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
     from grpo.rollout.v1 import rollout_pb2_grpc
     from services.common.clients import open_channel
     from services.launch.processes import ServiceProcess
+    from services.scheduler.config import TimeoutSettings
+    from services.scheduler.grpc_clients import GrpcRolloutClient
 
     argv = rollout_argv(args, model)
     texts = build_prompts(args.prompts * args.batches, args.prompt_seed)
@@ -279,6 +299,7 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
         me = psutil.Process()
         channel = open_channel(address, MAX_MESSAGE_BYTES)
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        client = GrpcRolloutClient(address, TimeoutSettings(generate=600.0))  # the scheduler's client
         runs: list[Run] = []
         identical: list[float] = []
         profiler = None
@@ -294,13 +315,13 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
                 engine = bare_engine if side == "bare" else service_engine
                 before = (cpu_s([front]), cpu_s(engine), cpu_s([me]))
                 started = time.perf_counter()
-                outputs, messages = [], 0
+                outputs, calls, messages = [], 0, 0
                 for b, (prompts, prompt_ids) in enumerate(batches):  # one after the other
                     if side == "bare":
                         outputs += await bare.run(prompt_ids, args, f"{tag}-{b}")
                     else:
-                        completions, sent = await run_service(stub, prompts, args, f"{tag}-{b}")
-                        outputs, messages = outputs + completions, messages + sent
+                        completions, made, sent = await run_service(stub, client, prompts, args, f"{tag}-{b}")
+                        outputs, calls, messages = outputs + completions, calls + made, messages + sent
                 wall = time.perf_counter() - started
                 after = (cpu_s([front]), cpu_s(engine), cpu_s([me]))
                 tokens = token_lists(side, outputs)
@@ -313,6 +334,7 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
                     frontend_cpu_s=after[0] - before[0],
                     engine_cpu_s=after[1] - before[1],
                     client_cpu_s=(after[2] - before[2]) if side == "service" else 0.0,
+                    calls=calls,
                     messages=messages,
                 )
                 runs.append(run)
@@ -335,7 +357,7 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
                         f"{tag:<12} {run.wall_s:7.3f} s {run.tokens:7d} tok {run.tokens_per_s:9.1f} tok/s "
                         f"{run.completions_per_s:8.1f} compl/s  front-end CPU {run.frontend_cpu_s:5.2f} s  "
                         f"engine CPU {run.engine_cpu_s:5.2f} s  client CPU {run.client_cpu_s:5.2f} s"
-                        f"  messages {run.messages}",
+                        f"  calls {run.calls}  messages {run.messages}",
                         flush=True,
                     )
         finally:
@@ -343,6 +365,7 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
                 profiler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
                 profiler.wait(timeout=60)
             await channel.close()
+            await client.close()
     finally:
         service.terminate(grace=60)
         await bare.stop()
@@ -371,7 +394,7 @@ def summarize(
     summary["ratio_completions_per_s"] = spread([s.completions_per_s / b.completions_per_s for b, s in pairs])
     summary["identical_completions"] = statistics.mean(identical) if identical else None
     keys = ["prompts", "batches", "n", "max_tokens", "temperature", "seed", "repeats", "no_bare_text"]
-    keys += ["dtype", "kv_cache_gib", "max_num_seqs"]
+    keys += ["dtype", "kv_cache_gib", "max_num_seqs", "calls"]
     config = {key: getattr(args, key) for key in keys}
     return {
         "model": str(model),
@@ -441,6 +464,13 @@ def main() -> None:
         help="py-spy record the rollout process during the timed runs into FILE (collapsed stacks)",
     )
     parser.add_argument("--profile-native", action="store_true", help="with native (C/Cython) frames")
+    parser.add_argument(
+        "--calls",
+        choices=["batched", "per-prompt"],
+        default="batched",
+        help="how the service side sends the prompts: as the scheduler does (its rollout client: the "
+        "prompts issued together in one GenerateBatch call) or a Generate call per prompt",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -160,11 +160,26 @@ _FROM_CODE: dict[grpc.StatusCode, type[GrpoError]] = {
 }
 
 
-def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str = "") -> GrpoError:
-    """The domain error for a failed client call (the client-side table); the message names the peer,
-    the code and the server's details. Raise it `from exc` to keep the original."""
-    code = exc.code()
+_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def code_number(code: grpc.StatusCode) -> int:
+    """The wire number of a status code (google.rpc.Code), for a status carried inside a message."""
+    return code.value[0]
+
+
+def from_status(code: grpc.StatusCode | int, details: str, peer: str = "") -> GrpoError:
+    """The domain error for a status (the client-side table): a failed call's, or one carried inside a
+    message (a GenerateBatch request's `RequestError`, by number; an unknown number is UNKNOWN). The
+    message names the peer, the code and the server's details."""
+    if isinstance(code, int):
+        code = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
     where = f"{peer}: " if peer else ""
-    message = f"{where}{code.name}: {exc.details()}"
+    message = f"{where}{code.name}: {details}"
     cls = _FROM_CODE.get(code)
     return cls(message) if cls is not None else RemoteError(message, code)
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError, peer: str = "") -> GrpoError:
+    """The domain error for a failed client call; raise it `from exc` to keep the original."""
+    return from_status(exc.code(), exc.details(), peer)

@@ -13,14 +13,14 @@ import importlib.util
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from services.common import validation as check
 from services.common.cpus import BusyFile, move_process_threads
-from services.common.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import Aborted, GrpoError, InvalidArgument, ResourceExhausted, Unavailable, quoted
 from services.common.logging import get_logger
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import FinishedCompletion, LoadTimings, RolloutEngine, Sampling
@@ -59,6 +59,27 @@ class Generated:
     prompt_token_ids: tuple[int, ...]
     sampling: Sampling
     completions: tuple[FinishedCompletion, ...]
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One request of `Rollout.generate_many`."""
+
+    request_id: str
+    prompt: PromptInput
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class BatchOutput:
+    """Completions of one request of a batch that finished together, or the error that ended it."""
+
+    request_id: str
+    generated: Generated | None = None
+    error: GrpoError | None = None
+
+
+_REQUEST_ENDED = None  # what a batch's request task queues when it is done
 
 
 @dataclass(frozen=True)
@@ -217,6 +238,60 @@ class Rollout:
                     yield Generated(prompt.prompt_id, prompt_tuple, sampling, tuple(finished))
         finally:
             self._in_flight.discard(request_id)
+
+    async def generate_many(self, requests: Sequence[BatchRequest]) -> AsyncIterator[list[BatchOutput]]:
+        """Several requests at once, each checked, admitted and generated as `generate` does, their
+        outputs merged as they come: one list per wake-up holding everything finished since the last
+        (with vLLM: the completions of every request that finished in one engine step). A request's
+        domain error (invalid, over capacity, an id already in flight) is its last output and the
+        others go on; anything else ends the batch. Closing the iterator cancels the requests still
+        running."""
+        if not requests:
+            raise InvalidArgument("the batch has no requests")
+        if len(requests) > self.settings.max_in_flight:
+            raise ResourceExhausted(
+                f"a batch of {len(requests)} requests is more than rollout {self.rollout_id} takes at once "
+                f"(max_in_flight {self.settings.max_in_flight})"
+            )
+        seen: set[str] = set()
+        for request in requests:
+            if request.request_id in seen:  # its results could not be told apart
+                raise InvalidArgument(f"request_id {quoted(request.request_id)} appears twice in the batch")
+            seen.add(request.request_id)
+        outputs: asyncio.Queue[BatchOutput | Exception | None] = asyncio.Queue()  # ≤ n + 1 per request
+
+        async def run(request: BatchRequest) -> None:
+            try:
+                async for generated in self.generate(request.request_id, request.prompt, request.sampling):
+                    outputs.put_nowait(BatchOutput(request.request_id, generated))
+            except GrpoError as exc:
+                outputs.put_nowait(BatchOutput(request.request_id, error=exc))
+            except Exception as exc:  # an engine failure: the whole batch fails, as a Generate would
+                outputs.put_nowait(exc)
+            finally:
+                outputs.put_nowait(_REQUEST_ENDED)
+
+        tasks = [asyncio.create_task(run(request)) for request in requests]
+        running = len(tasks)
+        try:
+            while running:
+                ready = [await outputs.get()]
+                while not outputs.empty():
+                    ready.append(outputs.get_nowait())
+                merged = []
+                for item in ready:
+                    if item is _REQUEST_ENDED:
+                        running -= 1
+                    elif isinstance(item, Exception):
+                        raise item
+                    else:
+                        merged.append(item)
+                if merged:
+                    yield merged
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _working(self) -> contextlib.AbstractContextManager[None]:
         """Marks the busy file (if any) for the duration: a learner borrowing this rollout's cores

@@ -8,8 +8,9 @@ import grpc
 
 from grpo.common.v1 import types_pb2
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from services.common.errors import code_number, status_for
 from services.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FinishedCompletion, Sampling
-from services.rollout.rollout import Generated, Rollout, Status
+from services.rollout.rollout import BatchOutput, BatchRequest, Generated, Rollout, Status
 from services.rollout.validation import PromptInput
 from services.transports import registry as transports
 
@@ -90,6 +91,42 @@ def generate_response(generated: Generated, template: types_pb2.Completion) -> r
     return response
 
 
+# A GenerateBatch response grows until its results pass this size, then the rest go in the next one:
+# far below the message limit, and one response per engine step for any usual batch.
+BATCH_RESPONSE_BYTES = 4 << 20
+
+
+def batch_request_from_proto(message: rollout_pb2.GenerateRequest) -> BatchRequest:
+    return BatchRequest(
+        message.request_id, prompt_from_proto(message.prompt), sampling_from_proto(message.sampling_params)
+    )
+
+
+def batch_responses(
+    outputs: list[BatchOutput], templates: dict[str, types_pb2.Completion], rollout_id: str
+) -> list[rollout_pb2.GenerateBatchResponse]:
+    """The stream messages for outputs that finished together (usually one). `templates` keeps each
+    request's shared completion fields, built from its first output."""
+    responses = [rollout_pb2.GenerateBatchResponse()]
+    size = 0
+    for output in outputs:
+        if size >= BATCH_RESPONSE_BYTES:
+            responses.append(rollout_pb2.GenerateBatchResponse())
+            size = 0
+        result = responses[-1].results.add(request_id=output.request_id)
+        if output.error is not None:
+            code, message = status_for(output.error)
+            result.error.code, result.error.message = code_number(code), message
+        elif output.generated is not None:
+            template = templates.get(output.request_id)
+            if template is None:
+                template = templates[output.request_id] = completion_template(output.generated, rollout_id)
+            for completion in output.generated.completions:
+                fill_completion(result.completions.add(), completion, template)
+        size += result.ByteSize()
+    return responses
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, rollout: Rollout) -> None:
         self._rollout = rollout
@@ -104,6 +141,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             if template is None:
                 template = completion_template(generated, self._rollout.rollout_id)
             yield generate_response(generated, template)
+
+    async def GenerateBatch(
+        self, request: rollout_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rollout_pb2.GenerateBatchResponse]:
+        requests = [batch_request_from_proto(r) for r in request.requests]
+        templates: dict[str, types_pb2.Completion] = {}
+        async for outputs in self._rollout.generate_many(requests):
+            for response in batch_responses(outputs, templates, self._rollout.rollout_id):
+                yield response
 
     async def StageWeights(
         self, request: rollout_pb2.StageWeightsRequest, context: grpc.aio.ServicerContext

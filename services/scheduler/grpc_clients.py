@@ -27,7 +27,8 @@ from services.scheduler.clients import (
     StepResult,
     TokenScores,
 )
-from services.scheduler.config import TimeoutSettings
+from services.scheduler.config import GenerateBatchSettings, TimeoutSettings
+from services.scheduler.grpc_generate import GenerateBatcher
 from services.transports import Receiver, TransportKind
 from services.transports.kinds import kind_to_proto, receive_bound_s
 
@@ -137,8 +138,14 @@ class GrpcLearnerClient(_PeerClient[learner_pb2_grpc.LearnerServiceStub]):
 
 
 class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
-    def __init__(self, address: str, timeouts: TimeoutSettings) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeouts: TimeoutSettings,
+        generate_batch: GenerateBatchSettings = GenerateBatchSettings(),  # noqa: B008 (frozen)
+    ) -> None:
         super().__init__(address, rollout_pb2_grpc.RolloutServiceStub, "rollout", timeouts)
+        self.batcher = GenerateBatcher(self, timeouts.generate, generate_batch)
 
     async def state(self) -> RolloutInfo:
         request = rollout_pb2.GetRolloutStateRequest()
@@ -155,11 +162,12 @@ class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
     async def generate(
         self, request_id: str, prompt: types_pb2.Prompt, sampling: Sampling
     ) -> list[types_pb2.Completion]:
+        """One group, sent with the others issued to this rollout within the batching window
+        (`grpc_generate.py`)."""
         request = rollout_pb2.GenerateRequest(
             request_id=request_id, prompt=prompt, sampling_params=_sampling_params(sampling)
         )
-        stream = self.stream("Generate", request, self._timeouts.generate)
-        return [completion async for item in stream for completion in item.completions]
+        return await self.batcher.generate(request, sampling.n)
 
     async def stage(
         self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False
@@ -183,3 +191,7 @@ class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
         request = rollout_pb2.ScoreTokensRequest(sequence=sequence)
         response = await self.unary("ScoreTokens", request, self._timeouts.control)
         return TokenScores(list(response.logprobs), response.weight_version)
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        await super().close()

@@ -39,7 +39,7 @@ class SchedulerApp:
         self.env = GrpcEnvClient(settings.env_address, timeouts)
         self.learner = GrpcLearnerClient(settings.learner_address, timeouts)
         self.pool = RolloutPool(
-            partial(GrpcRolloutClient, timeouts=timeouts),
+            partial(GrpcRolloutClient, timeouts=timeouts, generate_batch=settings.generate_batch),
             max_rollouts=settings.max_rollouts,
             forget_after=settings.forget_unreachable_after,
         )

@@ -56,6 +56,7 @@ SETTINGS = settings(
 CALL_TIMEOUT = 8.0
 MAX_STREAM_ITEMS = 64
 BAD = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+CODES = {code.value[0]: code for code in grpc.StatusCode}
 MODULES = {"env": env_pb2, "learner": learner_pb2, "rollout": rollout_pb2, "scheduler": scheduler_pb2}
 CALLS: Counter[str] = Counter()  # (method, code) → count, reported at the end
 
@@ -337,6 +338,16 @@ SEEDS: dict[str, Message] = {
         prompt=PROMPT,
         sampling_params=types_pb2.SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=4),
     ),
+    "GenerateBatch": rollout_pb2.GenerateBatchRequest(
+        requests=[
+            rollout_pb2.GenerateRequest(
+                request_id=f"r{i}",
+                prompt=PROMPT,
+                sampling_params=types_pb2.SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=4),
+            )
+            for i in range(2)
+        ]
+    ),
     "StageWeights": rollout_pb2.StageWeightsRequest(
         weight_version=types_pb2.WeightVersion(
             version=1, grpc_stream=types_pb2.GrpcStreamTransport(address="127.0.0.1:1")
@@ -392,6 +403,10 @@ def _check(services: dict[str, str], service: str, method: d.MethodDescriptor, b
     CALLS[f"{method.name}:{code.name}"] += 1
     for response in responses:
         assert not non_finite(response), f"{method.name} answered non-finite {non_finite(response)}"
+        if response.DESCRIPTOR is rollout_pb2.GenerateBatchResponse.DESCRIPTOR:  # a status per request
+            for error in (r.error for r in response.results if r.HasField("error")):
+                code = CODES.get(error.code)
+                assert code not in (*BAD, None), f"{method.name}: {error.code} {error.message!r:.500}"
     assert _serving(services[service], service), f"{service} is no longer SERVING after {method.name}"
 
 
@@ -447,7 +462,7 @@ def test_services_still_answer_normally(services: dict[str, str]) -> None:
             scheduler_pb2.GetStatusRequest(), timeout=30
         )
         assert len(status.rollouts) <= 16
-    assert len(RPCS) == 22
+    assert len(RPCS) == 23
 
 
 ROLLOUT_RPCS = [(s, m) for s, m in RPCS if s == "rollout"]

@@ -191,6 +191,101 @@ async def test_max_in_flight_gives_resource_exhausted(server: Running) -> None:
     assert (await server.state()).in_flight == 0
 
 
+def _batch_request(request_id: str, text: str = "12+34=", **sampling) -> rollout_pb2.GenerateRequest:
+    return rollout_pb2.GenerateRequest(
+        request_id=request_id, prompt=_text_prompt(text), sampling_params=types_pb2.SamplingParams(**sampling)
+    )
+
+
+async def _batch(server: Running, *requests: rollout_pb2.GenerateRequest) -> list:
+    call = server.stub.GenerateBatch(rollout_pb2.GenerateBatchRequest(requests=requests), timeout=TIMEOUT)
+    return [response async for response in call]
+
+
+async def test_generate_batch_answers_each_request_and_fails_only_the_bad_one(
+    server: Running, reference_model
+) -> None:
+    responses = await _batch(
+        server,
+        _batch_request("b-0", n=3, temperature=0.7, max_tokens=6, seed=1),
+        _batch_request("b-bad", n=1, temperature=0.0, max_tokens=4),
+        _batch_request("b-1", "7+8=", n=2, temperature=1.0, max_tokens=4, seed=2),
+    )
+    completions: dict[str, list[types_pb2.Completion]] = {}
+    errors = {}
+    for response in responses:
+        assert response.results, "an empty stream message"
+        for result in response.results:
+            if result.HasField("error"):
+                assert not result.completions and result.request_id not in errors
+                errors[result.request_id] = result.error
+            else:
+                completions.setdefault(result.request_id, []).extend(result.completions)
+    assert sorted(errors) == ["b-bad"]
+    assert errors["b-bad"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "temperature must be" in errors["b-bad"].message
+    assert sorted(c.index for c in completions["b-0"]) == [0, 1, 2]
+    assert sorted(c.index for c in completions["b-1"]) == [0, 1]
+    tokenizer = server.app.rollout._tokenizer
+    for request_id, text, temperature in [("b-0", "12+34=", 0.7), ("b-1", "7+8=", 1.0)]:
+        prompt_ids = tokenizer(text)["input_ids"]
+        for c in completions[request_id]:  # the same Completion a Generate call would carry
+            assert c.prompt_id == "p-" + text and c.rollout_id == "hf-test"
+            assert list(c.prompt_token_ids) == prompt_ids
+            assert [(s.version, s.start, s.end) for s in c.version_spans] == [(0, 0, len(c.logprobs))]
+            ref = reference_logprobs(reference_model, prompt_ids, list(c.completion_token_ids), temperature)
+            assert torch.allclose(torch.tensor(list(c.logprobs)), ref, atol=1e-4)
+    assert (await server.state()).in_flight == 0
+
+
+async def test_generate_batch_refuses_a_batch_it_cannot_take(server: Running) -> None:
+    sampling = dict(n=1, temperature=1.0, max_tokens=2)
+    for requests, code, needle in [
+        ((), grpc.StatusCode.INVALID_ARGUMENT, "the batch has no requests"),
+        (
+            [_batch_request("twice", **sampling), _batch_request("twice", **sampling)],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "request_id 'twice' appears twice",
+        ),
+        (
+            [_batch_request(f"r-{i}", **sampling) for i in range(5)],
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "a batch of 5 requests is more than rollout hf-test takes at once (max_in_flight 4)",
+        ),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _batch(server, *requests)
+        assert info.value.code() == code
+        assert needle in info.value.details()
+
+
+async def test_cancelling_a_generate_batch_cancels_its_requests(server: Running) -> None:
+    gate = threading.Event()
+    held = server.app.rollout.engine._executor.submit(gate.wait)  # type: ignore[attr-defined]
+    request = rollout_pb2.GenerateBatchRequest(
+        requests=[_batch_request(f"c-{i}", n=1, temperature=1.0, max_tokens=2) for i in range(2)]
+    )
+    call = server.stub.GenerateBatch(request, timeout=TIMEOUT)
+    reading = asyncio.ensure_future(call.read())
+    try:
+        for _ in range(200):
+            if (await server.state()).in_flight == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert (await server.state()).in_flight == 2
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        for _ in range(200):
+            if (await server.state()).in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await server.state()).in_flight == 0  # cancelled while the engine was still held
+    finally:
+        gate.set()
+        held.result(timeout=TIMEOUT)
+
+
 async def test_state_reports_engine_and_limits(server: Running, tiny_model_dir: Path) -> None:
     state = await server.state()
     assert state.rollout_id == "hf-test" and state.engine == "transformers"

@@ -220,6 +220,41 @@ async def test_vllm_completions_arrive_complete_in_fewer_messages(vllm_server: s
     assert all(messages)
 
 
+async def test_vllm_generate_batch_merges_requests_finishing_in_one_step(
+    vllm_server: str, reference_model
+) -> None:
+    """The completions of all requests of one GenerateBatch that finish in the same engine step share
+    a message: eight prompts × n=4 of at most 3 tokens end within a few engine steps, so there are
+    fewer messages than requests; each request gets all its samples, with behaviour logprobs."""
+    requests = [
+        rollout_pb2.GenerateRequest(
+            request_id=f"m-{i}",
+            prompt=types_pb2.Prompt(id=f"p{i}", text=f"{a}+{a + 1}="),
+            sampling_params=types_pb2.SamplingParams(n=4, temperature=1.0, max_tokens=3, seed=i + 1),
+        )
+        for i, a in enumerate(range(10, 18))
+    ]
+    async with connect(vllm_server) as stub:
+        call = stub.GenerateBatch(rollout_pb2.GenerateBatchRequest(requests=requests), timeout=TIMEOUT)
+        messages = [list(response.results) async for response in call]
+    assert all(messages)
+    by_request: dict[str, list[types_pb2.Completion]] = {}
+    for results in messages:
+        for result in results:
+            assert not result.HasField("error"), result.error.message
+            by_request.setdefault(result.request_id, []).extend(result.completions)
+    assert sorted(by_request) == sorted(r.request_id for r in requests)
+    assert len(messages) < len(requests)  # all 32 samples run in the same engine steps
+    for request in requests:
+        completions = by_request[request.request_id]
+        assert sorted(c.index for c in completions) == [0, 1, 2, 3]
+        prompt_ids = list(completions[0].prompt_token_ids)
+        for c in completions:
+            assert c.prompt_id == request.prompt.id and list(c.prompt_token_ids) == prompt_ids
+            ref = reference_logprobs(reference_model, prompt_ids, list(c.completion_token_ids), 1.0)
+            assert_close(c.logprobs, ref)
+
+
 async def test_vllm_weight_updates_over_shared_memory_and_grpc_stream(
     vllm_server: str, reference_model
 ) -> None:

@@ -3,7 +3,9 @@ status codes turned into domain errors by the one client-side table."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+from functools import partial
 
 import grpc
 import pytest
@@ -13,29 +15,51 @@ from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.clients import grpc_options
 from services.common.config import CONTROL_MESSAGE_BYTES
-from services.common.errors import DeadlineExceeded, InvalidArgument, RemoteError, Unavailable
+from services.common.errors import Cancelled, DeadlineExceeded, InvalidArgument, RemoteError, Unavailable
 from services.scheduler.clients import Batch, Sampling, ScoredGroup
-from services.scheduler.config import TimeoutSettings
+from services.scheduler.config import GenerateBatchSettings, TimeoutSettings
 from services.scheduler.grpc_clients import GrpcLearnerClient, GrpcRolloutClient
 from services.transports import TransportKind
 
 TIMEOUTS = TimeoutSettings(control=2, generate=2, weight_sync=2, train_step=2, score=2, connect=2)
 
 
+def _completions(request: rollout_pb2.GenerateRequest) -> list[types_pb2.Completion]:
+    return [
+        types_pb2.Completion(prompt_id=request.prompt.id, index=i, sampling_params=request.sampling_params)
+        for i in range(request.sampling_params.n)
+    ]
+
+
 class _Rollout(rollout_pb2_grpc.RolloutServiceServicer):
-    async def Generate(self, request, context):
-        if request.prompt.id == "bad":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt.text is empty")
-        if request.prompt.id == "crash":
-            raise RuntimeError("boom")  # unhandled: INTERNAL... or UNKNOWN
-        completions = [
-            types_pb2.Completion(
-                prompt_id=request.prompt.id, index=i, sampling_params=request.sampling_params
-            )
-            for i in range(request.sampling_params.n)
-        ]
-        yield rollout_pb2.GenerateResponse(completions=completions[:1])  # finished first, alone
-        yield rollout_pb2.GenerateResponse(completions=completions[1:])  # the rest together
+    """GenerateBatch by prompt id: "bad" fails its request, "crash" the whole call, "hang" holds the call
+    until it is cancelled; the others get their first completion alone, then the rest."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []  # the request ids of each call
+        self.hanging = asyncio.Event()  # a "hang" request is being held
+        self.cancelled = asyncio.Event()
+
+    async def GenerateBatch(self, request, context):
+        self.batches.append([r.request_id for r in request.requests])
+        for r in request.requests:
+            result = partial(rollout_pb2.GenerateResult, request_id=r.request_id)
+            if r.prompt.id == "bad":
+                error = rollout_pb2.RequestError(code=3, message="prompt.text is empty")
+                yield rollout_pb2.GenerateBatchResponse(results=[result(error=error)])
+            elif r.prompt.id == "crash":
+                raise RuntimeError("boom")  # unhandled: INTERNAL... or UNKNOWN
+            elif r.prompt.id == "hang":
+                self.hanging.set()
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    self.cancelled.set()
+                    raise
+            else:
+                completions = _completions(r)
+                yield rollout_pb2.GenerateBatchResponse(results=[result(completions=completions[:1])])
+                yield rollout_pb2.GenerateBatchResponse(results=[result(completions=completions[1:])])
 
     async def GetRolloutState(self, request, context):
         return rollout_pb2.GetRolloutStateResponse(
@@ -64,16 +88,17 @@ class _Learner(learner_pb2_grpc.LearnerServiceServicer):
 async def servers():
     server = grpc.aio.server(options=grpc_options(CONTROL_MESSAGE_BYTES))
     learner = _Learner()
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(_Rollout(), server)
+    rollout = _Rollout()
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(rollout, server)
     learner_pb2_grpc.add_LearnerServiceServicer_to_server(learner, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    yield f"127.0.0.1:{port}", learner
+    yield f"127.0.0.1:{port}", learner, rollout
     await server.stop(None)
 
 
 async def test_rollout_client_speaks_domain_terms_and_maps_status_codes(servers) -> None:
-    address, _ = servers
+    address, _, _ = servers
     client = GrpcRolloutClient(address, TIMEOUTS)
     try:
         info = await client.state()
@@ -97,7 +122,7 @@ async def test_rollout_client_speaks_domain_terms_and_maps_status_codes(servers)
 
 
 async def test_learner_client_builds_the_train_batch_and_the_transport_kind(servers) -> None:
-    address, learner = servers
+    address, learner, _ = servers
     client = GrpcLearnerClient(address, TIMEOUTS)
     completion = types_pb2.Completion(prompt_id="p", index=0, completion_token_ids=[1, 2])
     group = ScoredGroup("p#0", types_pb2.Prompt(id="p"), [completion], [1.0], [types_pb2.RewardInfo(ok=True)])
@@ -113,6 +138,61 @@ async def test_learner_client_builds_the_train_batch_and_the_transport_kind(serv
         assert learner.requests[-1].transport == types_pb2.WEIGHT_TRANSPORT_KIND_SHARED_MEMORY
     finally:
         await client.close()
+
+
+async def test_groups_issued_together_travel_in_one_call_and_fail_alone(servers) -> None:
+    address, _, rollout = servers
+    client = GrpcRolloutClient(address, TIMEOUTS, GenerateBatchSettings(window_ms=50, max_requests=3))
+    sampling = Sampling(n=4, temperature=1.0, max_tokens=4)
+    prompts = ["p0", "bad", "p2", "p3", "p4"]
+    try:
+        results = await asyncio.gather(
+            *(client.generate(f"g{i}", types_pb2.Prompt(id=p), sampling) for i, p in enumerate(prompts)),
+            return_exceptions=True,
+        )
+        assert rollout.batches == [["g0", "g1", "g2"], ["g3", "g4"]]  # max_requests per call
+        assert isinstance(results[1], InvalidArgument) and not results[1].retryable
+        assert str(results[1]) == f"rollout {address}: INVALID_ARGUMENT: prompt.text is empty"
+        for i in (0, 2, 3, 4):
+            assert [(c.prompt_id, c.index) for c in results[i]] == [(prompts[i], k) for k in range(4)]
+        assert (client.batcher.calls, client.batcher.messages) == (2, 9)
+        with pytest.raises(InvalidArgument, match="'g0' is already in flight"):
+            await asyncio.gather(*(client.generate("g0", types_pb2.Prompt(id="p"), sampling) for _ in "ab"))
+    finally:
+        await client.close()
+
+
+async def test_a_group_whose_caller_gives_up_is_not_sent_or_its_call_is_cancelled(servers) -> None:
+    address, _, rollout = servers
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=4)
+    waiting = GrpcRolloutClient(address, TIMEOUTS, GenerateBatchSettings(window_ms=60_000))
+    immediate = GrpcRolloutClient(address, TIMEOUTS, GenerateBatchSettings(window_ms=0))
+    try:
+        unsent = asyncio.ensure_future(waiting.generate("u", types_pb2.Prompt(id="p"), sampling))
+        await asyncio.sleep(0)  # the request waits for its window
+        unsent.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await unsent
+        assert not waiting.batcher._pending and not waiting.batcher._calls and rollout.batches == []
+
+        hung = asyncio.ensure_future(immediate.generate("h", types_pb2.Prompt(id="hang"), sampling))
+        await asyncio.wait_for(rollout.hanging.wait(), 2)
+        assert rollout.batches == [["h"]]
+        hung.cancel()
+        await asyncio.wait_for(rollout.cancelled.wait(), 2)  # nobody waits for the call: cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await hung
+
+        closing = asyncio.ensure_future(immediate.generate("h2", types_pb2.Prompt(id="hang"), sampling))
+        rollout.hanging.clear()
+        await asyncio.wait_for(rollout.hanging.wait(), 2)
+        await immediate.batcher.close()  # the client closes under a caller: a retryable domain error
+        with pytest.raises(Cancelled) as closed:
+            await closing
+        assert closed.value.retryable
+    finally:
+        await waiting.close()
+        await immediate.close()
 
 
 async def test_a_dead_peer_is_unreachable_and_retryable() -> None:

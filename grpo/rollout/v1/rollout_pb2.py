@@ -25,39 +25,47 @@ _sym_db = _symbol_database.Default()
 from grpo.common.v1 import types_pb2 as grpo_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgrpo/rollout/v1/rollout.proto\x12\x0fgrpo.rollout.v1\x1a\x1agrpo/common/v1/types.proto\"\x86\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06prompt\x18\x02 \x01(\x0b\x32\x16.grpo.common.v1.Prompt\x12\x37\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1e.grpo.common.v1.SamplingParams\"U\n\x10GenerateResponse\x12/\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1a.grpo.common.v1.CompletionJ\x04\x08\x01\x10\x02R\ncompletion\"\\\n\x13StageWeightsRequest\x12\x35\n\x0eweight_version\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.WeightVersion\x12\x0e\n\x06rewind\x18\x02 \x01(\x08\"H\n\x14StageWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x66\x65tch_ms\x18\x03 \x01(\x01\"7\n\x14\x43ommitWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06rewind\x18\x02 \x01(\x08\"K\n\x15\x43ommitWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07load_ms\x18\x02 \x01(\x01\x12\x10\n\x08pause_ms\x18\x03 \x01(\x01\"&\n\x13\x41\x62ortWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x16\n\x14\x41\x62ortWeightsResponse\"E\n\x12ScoreTokensRequest\x12/\n\x08sequence\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.TokenSequence\"?\n\x13ScoreTokensResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x18\n\x16GetRolloutStateRequest\"\x9d\x02\n\x17GetRolloutStateResponse\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x16\n\x0estaged_version\x18\x03 \x01(\x03\x12.\n\x06status\x18\x04 \x01(\x0e\x32\x1e.grpo.rollout.v1.RolloutStatus\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x15\n\rmax_in_flight\x18\x08 \x01(\r\x12\x18\n\x10tokens_generated\x18\t \x01(\x04\x12\x16\n\x0eweight_workers\x18\n \x01(\r\x12\x13\n\x0binstance_id\x18\x0b \x01(\t*\x9f\x01\n\rRolloutStatus\x12\x1e\n\x1aROLLOUT_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16ROLLOUT_STATUS_LOADING\x10\x01\x12\x18\n\x14ROLLOUT_STATUS_READY\x10\x02\x12\x1b\n\x17ROLLOUT_STATUS_UPDATING\x10\x03\x12\x1b\n\x17ROLLOUT_STATUS_DRAINING\x10\x04\x32\xbd\x04\n\x0eRolloutService\x12Q\n\x08Generate\x12 .grpo.rollout.v1.GenerateRequest\x1a!.grpo.rollout.v1.GenerateResponse0\x01\x12[\n\x0cStageWeights\x12$.grpo.rollout.v1.StageWeightsRequest\x1a%.grpo.rollout.v1.StageWeightsResponse\x12^\n\rCommitWeights\x12%.grpo.rollout.v1.CommitWeightsRequest\x1a&.grpo.rollout.v1.CommitWeightsResponse\x12[\n\x0c\x41\x62ortWeights\x12$.grpo.rollout.v1.AbortWeightsRequest\x1a%.grpo.rollout.v1.AbortWeightsResponse\x12X\n\x0bScoreTokens\x12#.grpo.rollout.v1.ScoreTokensRequest\x1a$.grpo.rollout.v1.ScoreTokensResponse\x12\x64\n\x0fGetRolloutState\x12\'.grpo.rollout.v1.GetRolloutStateRequest\x1a(.grpo.rollout.v1.GetRolloutStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgrpo/rollout/v1/rollout.proto\x12\x0fgrpo.rollout.v1\x1a\x1agrpo/common/v1/types.proto\"\x86\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06prompt\x18\x02 \x01(\x0b\x32\x16.grpo.common.v1.Prompt\x12\x37\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1e.grpo.common.v1.SamplingParams\"U\n\x10GenerateResponse\x12/\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1a.grpo.common.v1.CompletionJ\x04\x08\x01\x10\x02R\ncompletion\"J\n\x14GenerateBatchRequest\x12\x32\n\x08requests\x18\x01 \x03(\x0b\x32 .grpo.rollout.v1.GenerateRequest\"I\n\x15GenerateBatchResponse\x12\x30\n\x07results\x18\x01 \x03(\x0b\x32\x1f.grpo.rollout.v1.GenerateResult\"\x83\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1a.grpo.common.v1.Completion\x12,\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.grpo.rollout.v1.RequestError\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\\\n\x13StageWeightsRequest\x12\x35\n\x0eweight_version\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.WeightVersion\x12\x0e\n\x06rewind\x18\x02 \x01(\x08\"H\n\x14StageWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x66\x65tch_ms\x18\x03 \x01(\x01\"7\n\x14\x43ommitWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06rewind\x18\x02 \x01(\x08\"K\n\x15\x43ommitWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07load_ms\x18\x02 \x01(\x01\x12\x10\n\x08pause_ms\x18\x03 \x01(\x01\"&\n\x13\x41\x62ortWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x16\n\x14\x41\x62ortWeightsResponse\"E\n\x12ScoreTokensRequest\x12/\n\x08sequence\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.TokenSequence\"?\n\x13ScoreTokensResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x18\n\x16GetRolloutStateRequest\"\x9d\x02\n\x17GetRolloutStateResponse\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x16\n\x0estaged_version\x18\x03 \x01(\x03\x12.\n\x06status\x18\x04 \x01(\x0e\x32\x1e.grpo.rollout.v1.RolloutStatus\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x15\n\rmax_in_flight\x18\x08 \x01(\r\x12\x18\n\x10tokens_generated\x18\t \x01(\x04\x12\x16\n\x0eweight_workers\x18\n \x01(\r\x12\x13\n\x0binstance_id\x18\x0b \x01(\t*\x9f\x01\n\rRolloutStatus\x12\x1e\n\x1aROLLOUT_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16ROLLOUT_STATUS_LOADING\x10\x01\x12\x18\n\x14ROLLOUT_STATUS_READY\x10\x02\x12\x1b\n\x17ROLLOUT_STATUS_UPDATING\x10\x03\x12\x1b\n\x17ROLLOUT_STATUS_DRAINING\x10\x04\x32\x9f\x05\n\x0eRolloutService\x12Q\n\x08Generate\x12 .grpo.rollout.v1.GenerateRequest\x1a!.grpo.rollout.v1.GenerateResponse0\x01\x12`\n\rGenerateBatch\x12%.grpo.rollout.v1.GenerateBatchRequest\x1a&.grpo.rollout.v1.GenerateBatchResponse0\x01\x12[\n\x0cStageWeights\x12$.grpo.rollout.v1.StageWeightsRequest\x1a%.grpo.rollout.v1.StageWeightsResponse\x12^\n\rCommitWeights\x12%.grpo.rollout.v1.CommitWeightsRequest\x1a&.grpo.rollout.v1.CommitWeightsResponse\x12[\n\x0c\x41\x62ortWeights\x12$.grpo.rollout.v1.AbortWeightsRequest\x1a%.grpo.rollout.v1.AbortWeightsResponse\x12X\n\x0bScoreTokens\x12#.grpo.rollout.v1.ScoreTokensRequest\x1a$.grpo.rollout.v1.ScoreTokensResponse\x12\x64\n\x0fGetRolloutState\x12\'.grpo.rollout.v1.GetRolloutStateRequest\x1a(.grpo.rollout.v1.GetRolloutStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'grpo.rollout.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLLOUTSTATUS']._serialized_start=1119
-  _globals['_ROLLOUTSTATUS']._serialized_end=1278
+  _globals['_ROLLOUTSTATUS']._serialized_start=1451
+  _globals['_ROLLOUTSTATUS']._serialized_end=1610
   _globals['_GENERATEREQUEST']._serialized_start=79
   _globals['_GENERATEREQUEST']._serialized_end=213
   _globals['_GENERATERESPONSE']._serialized_start=215
   _globals['_GENERATERESPONSE']._serialized_end=300
-  _globals['_STAGEWEIGHTSREQUEST']._serialized_start=302
-  _globals['_STAGEWEIGHTSREQUEST']._serialized_end=394
-  _globals['_STAGEWEIGHTSRESPONSE']._serialized_start=396
-  _globals['_STAGEWEIGHTSRESPONSE']._serialized_end=468
-  _globals['_COMMITWEIGHTSREQUEST']._serialized_start=470
-  _globals['_COMMITWEIGHTSREQUEST']._serialized_end=525
-  _globals['_COMMITWEIGHTSRESPONSE']._serialized_start=527
-  _globals['_COMMITWEIGHTSRESPONSE']._serialized_end=602
-  _globals['_ABORTWEIGHTSREQUEST']._serialized_start=604
-  _globals['_ABORTWEIGHTSREQUEST']._serialized_end=642
-  _globals['_ABORTWEIGHTSRESPONSE']._serialized_start=644
-  _globals['_ABORTWEIGHTSRESPONSE']._serialized_end=666
-  _globals['_SCORETOKENSREQUEST']._serialized_start=668
-  _globals['_SCORETOKENSREQUEST']._serialized_end=737
-  _globals['_SCORETOKENSRESPONSE']._serialized_start=739
-  _globals['_SCORETOKENSRESPONSE']._serialized_end=802
-  _globals['_GETROLLOUTSTATEREQUEST']._serialized_start=804
-  _globals['_GETROLLOUTSTATEREQUEST']._serialized_end=828
-  _globals['_GETROLLOUTSTATERESPONSE']._serialized_start=831
-  _globals['_GETROLLOUTSTATERESPONSE']._serialized_end=1116
-  _globals['_ROLLOUTSERVICE']._serialized_start=1281
-  _globals['_ROLLOUTSERVICE']._serialized_end=1854
+  _globals['_GENERATEBATCHREQUEST']._serialized_start=302
+  _globals['_GENERATEBATCHREQUEST']._serialized_end=376
+  _globals['_GENERATEBATCHRESPONSE']._serialized_start=378
+  _globals['_GENERATEBATCHRESPONSE']._serialized_end=451
+  _globals['_GENERATERESULT']._serialized_start=454
+  _globals['_GENERATERESULT']._serialized_end=585
+  _globals['_REQUESTERROR']._serialized_start=587
+  _globals['_REQUESTERROR']._serialized_end=632
+  _globals['_STAGEWEIGHTSREQUEST']._serialized_start=634
+  _globals['_STAGEWEIGHTSREQUEST']._serialized_end=726
+  _globals['_STAGEWEIGHTSRESPONSE']._serialized_start=728
+  _globals['_STAGEWEIGHTSRESPONSE']._serialized_end=800
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_start=802
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_end=857
+  _globals['_COMMITWEIGHTSRESPONSE']._serialized_start=859
+  _globals['_COMMITWEIGHTSRESPONSE']._serialized_end=934
+  _globals['_ABORTWEIGHTSREQUEST']._serialized_start=936
+  _globals['_ABORTWEIGHTSREQUEST']._serialized_end=974
+  _globals['_ABORTWEIGHTSRESPONSE']._serialized_start=976
+  _globals['_ABORTWEIGHTSRESPONSE']._serialized_end=998
+  _globals['_SCORETOKENSREQUEST']._serialized_start=1000
+  _globals['_SCORETOKENSREQUEST']._serialized_end=1069
+  _globals['_SCORETOKENSRESPONSE']._serialized_start=1071
+  _globals['_SCORETOKENSRESPONSE']._serialized_end=1134
+  _globals['_GETROLLOUTSTATEREQUEST']._serialized_start=1136
+  _globals['_GETROLLOUTSTATEREQUEST']._serialized_end=1160
+  _globals['_GETROLLOUTSTATERESPONSE']._serialized_start=1163
+  _globals['_GETROLLOUTSTATERESPONSE']._serialized_end=1448
+  _globals['_ROLLOUTSERVICE']._serialized_start=1613
+  _globals['_ROLLOUTSERVICE']._serialized_end=2284
 # @@protoc_insertion_point(module_scope)

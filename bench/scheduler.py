@@ -28,7 +28,7 @@ Numbers, for each rollout count of `--rollouts`, measured after `--warmup-steps`
   added p50/p99   the latency the scheduler ADDS per group, from time.perf_counter stamps (the same
                   monotonic clock in both processes): from the moment the stub rollout has the group's
                   last completion available (inproc: the stub resolves the generate call; loopback: the
-                  stub server yields its GenerateResponse) to the moment the group is scored and
+                  stub server yields its GenerateBatchResponse) to the moment the group is scored and
                   in the scheduler's `scored` queue, ready to be batched. It covers reading the answer,
                   the rollout's credit, the ledger, the scoring call, queueing, and any time the group
                   waits for the scheduler's busy event loop (over loopback also the stream's transfer and
@@ -120,13 +120,14 @@ def make_completions(n: int, version: int, tokens: int) -> list[types_pb2.Comple
 
 class GroupCache:
     """Groups built once per (version, n) and shared by every stub rollout of a process, so a stub's
-    answer costs next to nothing: as completions (inproc) and as one GenerateResponse (loopback: the
-    rollout service sends completions that finish together in one message, and a stub's finish at once)."""
+    answer costs next to nothing: as completions (inproc) and as a GenerateResult to copy into a
+    GenerateBatchResponse (loopback: the rollout service sends the completions of a call's requests
+    that finish together in one message, and a stub's all finish at once)."""
 
     def __init__(self, tokens: int) -> None:
         self.tokens = tokens
         self._completions: dict[tuple[int, int], list[types_pb2.Completion]] = {}
-        self._responses: dict[tuple[int, int], rollout_pb2.GenerateResponse] = {}
+        self._results: dict[tuple[int, int], rollout_pb2.GenerateResult] = {}
 
     def completions(self, version: int, n: int) -> list[types_pb2.Completion]:
         key = (version, n)
@@ -134,17 +135,18 @@ class GroupCache:
         if group is None:
             for old in [k for k in self._completions if k[0] < version - 4]:
                 del self._completions[old]
-                self._responses.pop(old, None)
+                self._results.pop(old, None)
             group = self._completions[key] = make_completions(n, version, self.tokens)
         return group
 
-    def response(self, version: int, n: int) -> rollout_pb2.GenerateResponse:
+    def result(self, version: int, n: int) -> rollout_pb2.GenerateResult:
+        """The group as one request's result (no request id: the caller copies it and sets its own)."""
         key = (version, n)
-        response = self._responses.get(key)
-        if response is None:
+        result = self._results.get(key)
+        if result is None:
             group = self.completions(version, n)
-            response = self._responses[key] = rollout_pb2.GenerateResponse(completions=group)
-        return response
+            result = self._results[key] = rollout_pb2.GenerateResult(completions=group)
+        return result
 
 
 class StubEnv:
@@ -310,14 +312,21 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    """Streams the stub's group in one message; stamps `available[request_id]` as it yields it."""
+    """Answers a GenerateBatch call's groups in one message; stamps `available[request_id]` as it
+    yields it."""
 
     def __init__(self, rollout: StubRollout) -> None:
         self.rollout = rollout
 
-    async def Generate(self, request, context):
-        response = self.rollout.groups.response(self.rollout.version, request.sampling_params.n)
-        self.rollout.available[request.request_id] = time.perf_counter()
+    async def GenerateBatch(self, request, context):
+        response = rollout_pb2.GenerateBatchResponse()
+        for r in request.requests:
+            result = response.results.add()
+            result.CopyFrom(self.rollout.groups.result(self.rollout.version, r.sampling_params.n))
+            result.request_id = r.request_id
+        now = time.perf_counter()
+        for r in request.requests:
+            self.rollout.available[r.request_id] = now
         yield response
 
     async def GetRolloutState(self, request, context):

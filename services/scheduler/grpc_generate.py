@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from grpo.common.v1 import types_pb2
 from grpo.rollout.v1 import rollout_pb2
 from services.common.clients import GrpcClient
-from services.common.errors import Cancelled, GrpoError, InvalidArgument, from_status
+from services.common.errors import Cancelled, InvalidArgument, from_status
 from services.scheduler.config import GenerateBatchSettings
 
 
@@ -127,11 +127,11 @@ class GenerateBatcher:
                     group.completions.extend(result.completions)
                     if len(group.completions) >= group.n:
                         self._answer(group)
-        except GrpoError as exc:
-            error = exc
         except asyncio.CancelledError:
             error = Cancelled(f"{peer}: the GenerateBatch call was cancelled (the client is closing)")
             raise
+        except Exception as exc:  # a GrpoError (the call failed), or an answer that could not be read
+            error = exc
         finally:
             for group in groups.values():  # the stream ended: the rest get what they have, or its error
                 self._answer(group, error)

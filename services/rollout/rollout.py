@@ -264,7 +264,13 @@ class Rollout:
             try:
                 async for generated in self.generate(request.request_id, request.prompt, request.sampling):
                     outputs.put_nowait(BatchOutput(request.request_id, generated))
-            except GrpoError as exc:
+            except GrpoError as exc:  # logged as the interceptor logs a rejected call
+                log.info(
+                    "batch request rejected",
+                    batch_request=request.request_id,
+                    code=exc.code.name,
+                    error=str(exc),
+                )
                 outputs.put_nowait(BatchOutput(request.request_id, error=exc))
             except Exception as exc:  # an engine failure: the whole batch fails, as a Generate would
                 outputs.put_nowait(exc)

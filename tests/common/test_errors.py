@@ -54,3 +54,19 @@ def test_codes_outside_the_table_keep_their_code_and_are_not_retried() -> None:
         assert not failure.retryable and not failure.unreachable
         assert str(failure) == f"{code.name}: boom"
     assert errors.status_for(ValueError("x")) == (grpc.StatusCode.INTERNAL, "internal error: ValueError: x")
+
+
+@pytest.mark.parametrize("cls", DOMAIN)
+def test_a_status_carried_by_number_inside_a_message_maps_like_a_call_status(cls) -> None:
+    """A GenerateBatch request's RequestError carries its code as a number (google.rpc.Code)."""
+    code, message = errors.status_for(cls("what went wrong"))
+    back = errors.from_status(errors.code_number(code), message, peer="rollout h:2")
+    assert type(back) is cls and back.code == code
+    assert str(back) == f"rollout h:2: {code.name}: what went wrong"
+
+
+def test_an_unknown_status_number_is_a_remote_error() -> None:
+    failure = errors.from_status(99, "from the future")
+    assert isinstance(failure, errors.RemoteError) and failure.code == grpc.StatusCode.UNKNOWN
+    assert not failure.retryable and str(failure) == "UNKNOWN: from the future"
+    assert errors.code_number(grpc.StatusCode.INVALID_ARGUMENT) == 3

@@ -26,6 +26,7 @@ from grpo.rollout.v1 import rollout_pb2
 from services.common.clients import GrpcClient
 from services.common.errors import Cancelled, InvalidArgument, from_status
 from services.scheduler.config import GenerateBatchSettings
+from services.scheduler.metrics import GENERATE_BATCH_GROUPS
 
 
 @dataclass(eq=False)
@@ -59,7 +60,9 @@ class GenerateBatcher:
         self._sent: dict[str, _Group] = {}  # in a call, not answered yet
         self._flush_handle: asyncio.Handle | None = None
         self._calls: set[asyncio.Task[None]] = set()
-        self.calls = 0  # GenerateBatch calls made and stream messages received (benchmarks read them)
+        # GenerateBatch calls made and stream messages received (benchmarks read them; operators have
+        # the groups per call as grpo_scheduler_generate_batch_groups)
+        self.calls = 0
         self.messages = 0
 
     async def generate(self, request: rollout_pb2.GenerateRequest, n: int) -> list[types_pb2.Completion]:
@@ -114,6 +117,7 @@ class GenerateBatcher:
         peer = self._client.peer
         error: BaseException | None = None
         self.calls += 1
+        GENERATE_BATCH_GROUPS.observe(len(groups))
         try:
             async for response in self._client.stream("GenerateBatch", request, self._timeout):
                 self.messages += 1

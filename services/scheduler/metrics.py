@@ -49,6 +49,12 @@ STALENESS = Histogram(
     buckets=(0, 1, 2, 3, 4, 6, 8, 16),
 )
 
+GENERATE_BATCH_GROUPS = Histogram(
+    "grpo_scheduler_generate_batch_groups",
+    "Groups per GenerateBatch call to a rollout (grpc_generate.py: those issued within the window).",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+
 
 def observe_step(record: dict[str, Any], staleness: Sequence[int]) -> None:
     """Feed one step row into the histograms."""

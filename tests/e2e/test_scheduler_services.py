@@ -150,6 +150,8 @@ async def test_run_status_and_bad_requests(tiny_model_dir: Path, tmp_path: Path)
         # histograms are per process (earlier tests in this one observed steps too): at least ours
         synced = re.search(r'grpo_scheduler_sync_seconds_count\{phase="total"\} ([0-9.]+)', metrics)
         assert synced is not None and float(synced.group(1)) >= 3
+        sent = re.search(r"grpo_scheduler_generate_batch_groups_sum ([0-9.]+)", metrics)
+        assert sent is not None and float(sent.group(1)) >= 12  # every trained group went in a call
         assert "grpo_event_loop_lag_seconds_bucket" in metrics
         events = EventAccumulator(str(tmp_path / "tensorboard"))
         events.Reload()

@@ -9,6 +9,7 @@ from functools import partial
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from grpo.common.v1 import types_pb2
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
@@ -21,6 +22,7 @@ from services.scheduler.config import GenerateBatchSettings, TimeoutSettings
 from services.scheduler.grpc_clients import GrpcLearnerClient, GrpcRolloutClient
 from services.transports import TransportKind
 
+GROUPS = "grpo_scheduler_generate_batch_groups"  # the Prometheus histogram of groups per call
 TIMEOUTS = TimeoutSettings(control=2, generate=2, weight_sync=2, train_step=2, score=2, connect=2)
 
 
@@ -145,12 +147,17 @@ async def test_groups_issued_together_travel_in_one_call_and_fail_alone(servers)
     client = GrpcRolloutClient(address, TIMEOUTS, GenerateBatchSettings(window_ms=50, max_requests=3))
     sampling = Sampling(n=4, temperature=1.0, max_tokens=4)
     prompts = ["p0", "bad", "p2", "p3", "p4"]
+    calls_before, groups_before = (
+        REGISTRY.get_sample_value(f"{GROUPS}_{k}") or 0.0 for k in ("count", "sum")
+    )
     try:
         results = await asyncio.gather(
             *(client.generate(f"g{i}", types_pb2.Prompt(id=p), sampling) for i, p in enumerate(prompts)),
             return_exceptions=True,
         )
         assert rollout.batches == [["g0", "g1", "g2"], ["g3", "g4"]]  # max_requests per call
+        assert REGISTRY.get_sample_value(f"{GROUPS}_count") == calls_before + 2
+        assert REGISTRY.get_sample_value(f"{GROUPS}_sum") == groups_before + 5
         assert isinstance(results[1], InvalidArgument) and not results[1].retryable
         assert str(results[1]) == f"rollout {address}: INVALID_ARGUMENT: prompt.text is empty"
         for i in (0, 2, 3, 4):

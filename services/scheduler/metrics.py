@@ -1,4 +1,5 @@
-"""Per-step run metrics: one JSON object per optimizer step appended to `<run_dir>/metrics.jsonl`."""
+"""Per-step run metrics (one JSON object per optimizer step appended to `<run_dir>/metrics.jsonl`) and
+the scheduler's Prometheus histograms."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ class _Group:
     n: int
     future: asyncio.Future[list[types_pb2.Completion]]
     completions: list[types_pb2.Completion] = field(default_factory=list)
-    call: asyncio.Task[None] | None = None
+    call: asyncio.Task[None] | None = None  # the GenerateBatch call it went out in
 
     def resolve(self, error: BaseException | None = None) -> None:
         if self.future.done():
@@ -57,9 +57,8 @@ class GenerateBatcher:
         self._window_s = settings.window_ms / 1000.0
         self._max_requests = settings.max_requests
         self._pending: dict[str, _Group] = {}  # waiting for the window to close
-        self._sent: dict[str, _Group] = {}  # in a call, not answered yet
         self._flush_handle: asyncio.Handle | None = None
-        self._calls: set[asyncio.Task[None]] = set()
+        self._calls: dict[asyncio.Task[None], dict[str, _Group]] = {}  # calls in flight and their groups
         # GenerateBatch calls made and stream messages received (benchmarks read them; operators have
         # the groups per call as grpo_scheduler_generate_batch_groups)
         self.calls = 0
@@ -68,7 +67,9 @@ class GenerateBatcher:
     async def generate(self, request: rollout_pb2.GenerateRequest, n: int) -> list[types_pb2.Completion]:
         """The request's completions (all `n` unless the rollout sent fewer), or its domain error."""
         request_id = request.request_id
-        if request_id in self._pending or request_id in self._sent:
+        if request_id in self._pending or any(
+            request_id in groups and not groups[request_id].future.done() for groups in self._calls.values()
+        ):
             raise InvalidArgument(f"{self._client.peer}: request_id {request_id!r} is already in flight")
         loop = asyncio.get_running_loop()
         group = _Group(request, n, loop.create_future())
@@ -90,12 +91,8 @@ class GenerateBatcher:
         request_id = group.request.request_id
         if self._pending.get(request_id) is group:
             del self._pending[request_id]
-            return
-        if self._sent.get(request_id) is group:
-            del self._sent[request_id]
-        call = group.call
-        if call is not None and not any(g.call is call for g in self._sent.values()):
-            call.cancel()
+        elif group.call in self._calls and all(g.future.done() for g in self._calls[group.call].values()):
+            group.call.cancel()
 
     def _flush(self) -> None:
         """Send everything pending, `max_requests` groups per call."""
@@ -105,12 +102,14 @@ class GenerateBatcher:
         while self._pending:
             ids = list(self._pending)[: self._max_requests]
             groups = {request_id: self._pending.pop(request_id) for request_id in ids}
-            self._sent.update(groups)
             call = asyncio.create_task(self._call(groups), name=f"generate-batch {self._client.peer}")
             for group in groups.values():
                 group.call = call
-            self._calls.add(call)
-            call.add_done_callback(self._calls.discard)
+            self._calls[call] = groups
+            call.add_done_callback(self._forget)
+
+    def _forget(self, call: asyncio.Task[None]) -> None:
+        del self._calls[call]
 
     async def _call(self, groups: dict[str, _Group]) -> None:
         request = rollout_pb2.GenerateBatchRequest(requests=[g.request for g in groups.values()])
@@ -126,11 +125,11 @@ class GenerateBatcher:
                     if group is None or group.future.done():
                         continue  # not ours (a broken rollout), or its caller stopped waiting
                     if result.HasField("error"):
-                        self._answer(group, from_status(result.error.code, result.error.message, peer))
+                        group.resolve(from_status(result.error.code, result.error.message, peer))
                         continue
                     group.completions.extend(result.completions)
                     if len(group.completions) >= group.n:
-                        self._answer(group)
+                        group.resolve()
         except asyncio.CancelledError:
             error = Cancelled(f"{peer}: the GenerateBatch call was cancelled (the client is closing)")
             raise
@@ -138,12 +137,7 @@ class GenerateBatcher:
             error = exc
         finally:
             for group in groups.values():  # the stream ended: the rest get what they have, or its error
-                self._answer(group, error)
-
-    def _answer(self, group: _Group, error: BaseException | None = None) -> None:
-        if self._sent.get(group.request.request_id) is group:
-            del self._sent[group.request.request_id]
-        group.resolve(error)
+                group.resolve(error)
 
     async def close(self) -> None:
         """Cancel the calls in flight (their groups' callers get `Cancelled`)."""

@@ -40,6 +40,7 @@ from grpo.env.v1 import env_pb2
 from grpo.learner.v1 import learner_pb2
 from grpo.rollout.v1 import rollout_pb2
 from grpo.scheduler.v1 import scheduler_pb2
+from services.common.errors import from_status
 from services.launch.processes import READINESS, ServiceProcess
 from services.launch.tiny_model import DEMO_TASK
 
@@ -56,7 +57,6 @@ SETTINGS = settings(
 CALL_TIMEOUT = 8.0
 MAX_STREAM_ITEMS = 64
 BAD = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-CODES = {code.value[0]: code for code in grpc.StatusCode}
 MODULES = {"env": env_pb2, "learner": learner_pb2, "rollout": rollout_pb2, "scheduler": scheduler_pb2}
 CALLS: Counter[str] = Counter()  # (method, code) → count, reported at the end
 
@@ -405,8 +405,8 @@ def _check(services: dict[str, str], service: str, method: d.MethodDescriptor, b
         assert not non_finite(response), f"{method.name} answered non-finite {non_finite(response)}"
         if response.DESCRIPTOR is rollout_pb2.GenerateBatchResponse.DESCRIPTOR:  # a status per request
             for error in (r.error for r in response.results if r.HasField("error")):
-                code = CODES.get(error.code)
-                assert code not in (*BAD, None), f"{method.name}: {error.code} {error.message!r:.500}"
+                code = from_status(error.code, error.message).code  # an unknown number is UNKNOWN
+                assert code not in BAD, f"{method.name}: {error.code} {error.message!r:.500}"
     assert _serving(services[service], service), f"{service} is no longer SERVING after {method.name}"
 
 

@@ -16,7 +16,9 @@ first `--skip` steps excluded: start-up, compilation, the first weight sync), th
 fraction (wall time of the steady window not spent in a train step; for TRL, the time spent
 generating and scoring), generation time per step (TRL: its `generate` calls; grpo-mesh, with
 `--trace`: the part of the window in which some group was being generated, from the timeline; it
-overlaps training) and the ratio grpo-mesh / TRL of steps/s — above 1.0 grpo-mesh is faster.
+overlaps training), the CPU each side used per optimizer step and how many cores that kept busy on
+average over the window (TRL: its process; grpo-mesh: the launcher and every process under it, vLLM's
+engine core included) and the ratio grpo-mesh / TRL of steps/s — above 1.0 grpo-mesh is faster.
 
     .venv/bin/pip install -e '.[bench]'      # TRL, for this benchmark only
     .venv/bin/python bench/vs_trl.py                                   # tiny: 128 × 2, 24 tokens
@@ -36,13 +38,18 @@ learner borrows the rollout's cores while the rollout has nothing in flight; `--
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -107,11 +114,14 @@ def run_trl(args: argparse.Namespace) -> dict:
         seed=args.seed,
     )
     stamps: list[float] = []
+    cpu_stamps: list[float] = []  # this process's CPU seconds (every thread) at each step's end
     generation_s: list[float] = []
 
     class Stamp(TrainerCallback):
         def on_step_end(self, *_, **__):
             stamps.append(time.perf_counter())
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_stamps.append(usage.ru_utime + usage.ru_stime)
 
     trainer = GRPOTrainer(
         model=str(args.model),
@@ -139,6 +149,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     window = stamps[-1] - stamps[skip - 1]
     steps = len(stamps) - skip
     gen = sum(generation_s[skip:])
+    cpu = cpu_stamps[-1] - cpu_stamps[skip - 1]
     return {
         "side": "trl",
         "steps_per_s": steps / window,
@@ -146,6 +157,8 @@ def run_trl(args: argparse.Namespace) -> dict:
         "learner_idle": gen / window,
         "generation_s": statistics.median(generation_s[skip:]),
         "train_s": (window - gen) / steps,
+        "cpu_s": cpu / steps,
+        "cores": cpu / window,
         "completion_len": statistics.mean(lengths) if lengths else float("nan"),
         "reward_first": history[0]["reward"] if history else float("nan"),
         "reward_last": history[-1]["reward"] if history else float("nan"),
@@ -197,7 +210,10 @@ def run_mesh(args: argparse.Namespace) -> dict:
     command += ["--checkpoint-every", str(args.steps + 1)]
     command += ["--trace", str(args.trace).lower()]
     started = time.perf_counter()
-    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    launcher = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL)
+    with TreeCpu(launcher.pid) as cpu:
+        if launcher.wait() != 0:
+            raise subprocess.CalledProcessError(launcher.returncode, command)
     total = time.perf_counter() - started
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "learner/step_time_s" in r]
@@ -206,6 +222,7 @@ def run_mesh(args: argparse.Namespace) -> dict:
     steps = len(steady)
     train = sum(r["learner/step_time_s"] for r in steady)
     gen = generation_per_step(run_dir / "trace.json", args.skip) if args.trace else float("nan")
+    used = cpu.at(steady[-1]["time"]) - cpu.at(rows[args.skip - 1]["time"])
     return {
         "side": "grpo-mesh",
         "steps_per_s": steps / window,
@@ -213,6 +230,8 @@ def run_mesh(args: argparse.Namespace) -> dict:
         "learner_idle": 1.0 - train / window,
         "generation_s": gen,
         "train_s": train / steps,
+        "cpu_s": used / steps,
+        "cores": used / window,
         "sync_s": statistics.median(r.get("sync_ms", 0.0) for r in steady) / 1e3,
         "borrowed": sum(r.get("learner/borrowed_micro_batches", 0.0) for r in steady)
         / max(1.0, sum(r.get("learner/micro_batches", 0.0) for r in steady)),
@@ -222,6 +241,57 @@ def run_mesh(args: argparse.Namespace) -> dict:
         "wall_s": total,
         "run_dir": str(run_dir),
     }
+
+
+class TreeCpu:
+    """CPU seconds (user + system) used so far by a process and every process under it, sampled by a
+    thread every `interval` s with wall-clock times (the scheduler's metric rows carry `time.time()`):
+    `at(t)` interpolates between samples. A process that exits keeps its last reading, so the total
+    never goes down; children that live less than one interval may be missed (the services and vLLM's
+    engine core live for the whole run)."""
+
+    def __init__(self, pid: int, interval: float = 0.1) -> None:
+        self._root, self._interval = psutil.Process(pid), interval
+        self._last: dict[tuple[int, float], float] = {}  # (pid, create_time) -> CPU seconds
+        self.samples: list[tuple[float, float]] = []  # (time.time(), total CPU seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-cpu", daemon=True)
+
+    def __enter__(self) -> TreeCpu:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self._interval):
+                return
+
+    def sample(self) -> None:
+        try:
+            processes = [self._root, *self._root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            processes = []
+        for process in processes:
+            try:
+                times = process.cpu_times()
+                self._last[(process.pid, process.create_time())] = times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        self.samples.append((time.time(), sum(self._last.values())))
+
+    def at(self, when: float) -> float:
+        """Total CPU seconds at wall-clock time `when` (linear between samples, clamped at the ends)."""
+        times = [t for t, _ in self.samples]
+        i = bisect.bisect_left(times, when)
+        if i == 0 or i == len(times):
+            return self.samples[min(i, len(times) - 1)][1]
+        (t0, c0), (t1, c1) = self.samples[i - 1], self.samples[i]
+        return c0 + (c1 - c0) * (when - t0) / (t1 - t0) if t1 > t0 else c1
 
 
 def generation_per_step(trace: Path, skip: int) -> float:
@@ -292,11 +362,12 @@ def print_table(summary: dict, args: argparse.Namespace) -> None:
         f"\nmodel {args.model.name}: G={args.group_size} × {args.prompts_per_step} prompts/step, "
         f"≤{args.max_tokens} tokens, steps {args.skip + 1}..{args.steps} (medians of {args.repeats} rounds)"
     )
-    keys = ["steps_per_s", "completions_per_s", "learner_idle", "generation_s", "train_s", "completion_len"]
-    print(f"{'':>10} " + " ".join(f"{k:>17}" for k in keys))
+    keys = ["steps_per_s", "completions_per_s", "learner_idle", "generation_s", "train_s", "cpu_s", "cores"]
+    keys += ["completion_len"]
+    print(f"{'':>10} " + " ".join(f"{k:>{max(7, len(k))}}" for k in keys))
     for side in ("trl", "grpo-mesh"):
         row = summary[side]
-        print(f"{side:>10} " + " ".join(f"{row.get(k, float('nan')):>17.3f}" for k in keys))
+        print(f"{side:>10} " + " ".join(f"{row.get(k, float('nan')):>{max(7, len(k))}.3f}" for k in keys))
     ratio = summary["ratio_steps_per_s"]
     each = ", ".join(f"{r:.2f}" for r in ratio["each"])
     print(f"grpo-mesh / TRL optimizer steps/s: {ratio['median']:.2f}× (rounds: {each})")

@@ -47,3 +47,22 @@ def test_vs_trl_counts_generation_time_once_where_groups_overlap(tmp_path: Path)
     trace.write_text(json.dumps(events))
     assert generation_per_step(trace, 1) == 1.5
     assert math.isnan(generation_per_step(tmp_path / "missing.json", 1))  # run without --trace
+
+
+def test_vs_trl_counts_the_cpu_of_every_process_under_the_launcher() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from vs_trl import TreeCpu
+
+    # the launched process only waits; its child spins for 0.3 s of CPU, then idles before exiting
+    child = "import time\nwhile time.process_time() < 0.3: pass\ntime.sleep(0.5)"
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}], check=True)"
+    process = subprocess.Popen([sys.executable, "-c", parent])
+    with TreeCpu(process.pid, interval=0.05) as cpu:
+        assert process.wait(timeout=60) == 0
+    totals = [total for _, total in cpu.samples]
+    assert totals == sorted(totals)  # an exited process keeps its last reading
+    assert totals[-1] >= 0.3  # the grandchild's spin is counted (plus both interpreters' start-up)
+
+    cpu.samples = [(10.0, 1.0), (12.0, 2.0), (14.0, 6.0)]
+    assert cpu.at(11.0) == 1.5 and cpu.at(13.5) == 5.0
+    assert cpu.at(9.0) == 1.0 and cpu.at(20.0) == 6.0  # clamped at the ends

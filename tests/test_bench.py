@@ -54,7 +54,7 @@ def test_vs_trl_counts_the_cpu_of_every_process_under_the_launcher() -> None:
     from vs_trl import TreeCpu
 
     # the launched process only waits; its child spins for 0.3 s of CPU, then idles before exiting
-    child = "import time\nwhile time.process_time() < 0.3: pass\ntime.sleep(0.5)"
+    child = "import time\nwhile time.process_time() < 0.3: pass\ntime.sleep(1.0)"
     parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}], check=True)"
     process = subprocess.Popen([sys.executable, "-c", parent])
     with TreeCpu(process.pid, interval=0.05) as cpu:

@@ -379,13 +379,17 @@ from services.learner.trainer import Trainer
 real_save = ckpt.save_checkpoint
 
 
+def say(*words):  # one write(2) per line: print() from two threads interleaves its pieces
+    os.write(1, (" ".join(map(str, words)) + "\\n").encode())
+
+
 def stalled_save(root, snap, keep):  # a disk that stalls for ever in the middle of step 2's write
     if snap.state.step < 2:
         return real_save(root, snap, keep)
     tmp = root / f".tmp-{ckpt.PREFIX}{snap.state.step:08d}-{os.getpid()}"
     tmp.mkdir()
     ckpt.save_file(snap.params, str(tmp / "model.safetensors"))
-    print("stalled", snap.state.step, flush=True)
+    say("stalled", snap.state.step)
     threading.Event().wait()
 
 
@@ -394,7 +398,7 @@ trainer = Trainer(LearnerSettings(model=sys.argv[1], device="cpu",
                                   checkpoint=CheckpointConfig(dir=Path(sys.argv[2]), every=1)))
 for i in range(2):
     trainer.train_step(random_samples(3, seed=i), f"b{i}")  # step 2 returns; its write stalls
-print("trained", trainer.step, flush=True)
+say("trained", trainer.step)
 threading.Event().wait()
 """
 
@@ -407,18 +411,20 @@ def test_a_learner_killed_mid_write_resumes_from_the_checkpoint_before(micro_mod
         [sys.executable, "-c", _WRITER_KILLED_MID_WRITE, str(micro_model_dir), str(tmp_path), str(root)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
+    watchdog = threading.Timer(300, child.kill)  # a child that never says both ends the loop below
+    watchdog.start()
     try:
         seen = set()
-        for line in child.stdout:  # its log lines and, from its two threads in either order, ours
-            if line.startswith(("trained", "stalled")):
-                seen.add(line.strip())
-            if len(seen) == 2:
+        for line in child.stdout:  # from its two threads in either order
+            seen.add(line.strip())
+            if {"trained 2", "stalled 2"} <= seen:
                 break
-        assert seen == {"trained 2", "stalled 2"}  # the step returned while its checkpoint was being written
+        assert {"trained 2", "stalled 2"} <= seen, seen  # the step returned while its write was under way
         assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
         (half,) = tmp_path.glob(".tmp-step_00000002-*")
         assert (half / "model.safetensors").exists() and not (half / "state.json").exists()
     finally:
+        watchdog.cancel()
         child.kill()  # SIGKILL
         child.wait(timeout=30)
     resumed = make_trainer(micro_model_dir, checkpoint=CheckpointConfig(dir=tmp_path, resume=True))

@@ -16,7 +16,9 @@ peers are authenticated by the deployment, not by checksums).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
+from typing import Protocol
 
 import torch
 import xxhash
@@ -59,6 +61,18 @@ def digest(algorithm: ChecksumAlgorithm, data: memoryview | torch.Tensor) -> str
     if not isinstance(data, torch.Tensor):
         data = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     return f"{wsum64(data):016x}"
+
+
+def streaming(algorithm: ChecksumAlgorithm) -> Callable[[], Hasher] | None:
+    """A factory of incremental hashers whose hexdigest equals `digest` over the bytes fed to `update`
+    in order, or None when the algorithm has none here (wsum64 is computed whole, on its device)."""
+    return xxhash.xxh3_64 if algorithm == ChecksumAlgorithm.xxh3_64 else None
+
+
+class Hasher(Protocol):
+    def update(self, data: memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
 
 
 def wsum64(data: torch.Tensor) -> int:

@@ -155,6 +155,11 @@ def verify_buckets(buffer: memoryview | torch.Tensor, manifest: Manifest) -> Non
 def verify_bucket(buffer: memoryview | torch.Tensor, manifest: Manifest, bucket: BucketEntry) -> None:
     """Raise DataLoss if `bucket`'s bytes in `buffer` do not match its checksum."""
     got = checksums.digest(manifest.algorithm, buffer[bucket.offset : bucket.offset + bucket.nbytes])
+    check_digest(manifest, bucket, got)
+
+
+def check_digest(manifest: Manifest, bucket: BucketEntry, got: str) -> None:
+    """Raise DataLoss if `got`, the digest of `bucket`'s bytes as received, is not its checksum."""
     if got != bucket.digest:
         raise DataLoss(
             f"weight bucket {bucket.index} checksum mismatch ({manifest.algorithm}): "

@@ -4,13 +4,13 @@ learner   packs the model's tensors into process memory; FetchWeights serves sli
           written straight into protobuf wire bytes (`chunk_wire.encode_chunk`: one copy)
 rollout   streams every chunk (one deadline for the whole fetch) straight into a shared-memory
           segment it creates (`chunk_wire.decode_chunk`: a view, then the one copy into the segment),
-          checks sizes and offsets, verifies every bucket checksum
+          checks sizes and offsets, verifies every bucket checksum as its bytes land (`landing_check`)
 engine    loads from that segment through the shared_memory engine half (one load path)
 
 The receive segment of a released version is kept (one spare) and the next version is received into
 it: writing a fresh segment faults in every one of its pages (a zeroed 4 KiB page per fault), which
 profiled as most of a stage on the 221 MiB benchmark model. Stale bytes cannot survive into a version:
-every byte is received again, and every bucket's checksum is verified after the stream.
+every byte is received again, and every bucket's checksum is verified over the segment.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from services.transports.base import (
     WeightTransport,
 )
 from services.transports.chunk_wire import FETCH_PATH, ChunkView, decode_chunk, encode_chunk
+from services.transports.landing_check import LandingCheck
 from services.transports.shared_memory import SegmentStaged, create_segment, unlink_segment
 
 
@@ -254,14 +255,14 @@ class GrpcStreamTransport(WeightTransport):
         return GrpcStreamDescriptor(message.grpc_stream.address, message.grpc_stream.chunk_bytes)
 
     async def stage(self, target: StageTarget, ctx: StageContext) -> Staged:
-        """Stream every chunk of `target` into a receive segment, verifying each bucket (in a thread,
-        while the next ones stream) as soon as its last byte arrived."""
+        """Stream every chunk of `target` into a receive segment, hashing each chunk (in a thread,
+        while the next ones stream) right after its copy (`landing_check`)."""
         started = time.perf_counter()
         manifest = target.manifest
         buckets = {b.index: b for b in manifest.buckets}
         missing = {b.index: b.nbytes for b in manifest.buckets}  # bytes still to come, per bucket
         segment = self._segments.take(ctx.rollout_id, manifest.total_bytes)
-        checks: list[asyncio.Future[None]] = []
+        verifier = LandingCheck(segment.buf, manifest)
         try:
             fetcher = self._fetchers.get(target.descriptor.address)
             async for chunk in _fetch(fetcher, target.version, ctx.fetch_timeout_s):
@@ -280,9 +281,7 @@ class GrpcStreamTransport(WeightTransport):
                     raise DataLoss(
                         f"FetchWeights sent more than the {bucket.nbytes} bytes of bucket {bucket.index}"
                     )
-                if missing[bucket.index] == 0:
-                    check_bucket = asyncio.to_thread(weights.verify_bucket, segment.buf, manifest, bucket)
-                    checks.append(asyncio.ensure_future(check_bucket))
+                verifier.landed(bucket, chunk.offset, size, complete=missing[bucket.index] == 0)
             short = {index: left for index, left in missing.items() if left}
             if short:
                 got = manifest.total_bytes - sum(short.values())
@@ -290,10 +289,10 @@ class GrpcStreamTransport(WeightTransport):
                     f"FetchWeights v{target.version} delivered {got} of {manifest.total_bytes} bytes "
                     f"(bucket {min(short)} incomplete)"
                 )
-            await asyncio.gather(*checks)
+            await verifier.finish()
         except BaseException:
             # its bytes are garbage, its pages are not: the spare, once no check reads it any more
-            _when_done(checks, lambda: self._segments.give_back(segment))
+            _when_done(verifier.stop(), lambda: self._segments.give_back(segment))
             raise
         fetch_ms = (time.perf_counter() - started) * 1e3
         return ReceivedStaged(self._segments, target.version, target.manifest, segment, True, fetch_ms)

@@ -225,7 +225,7 @@ async def test_a_receiver_killed_mid_transfer_fails_the_others_within_the_deadli
         )  # fmt: skip
         proc.stdin.write(wire)
         proc.stdin.close()
-        assert (await proc.stdout.readline()).strip() == b"receiving"
+        assert (await asyncio.wait_for(proc.stdout.readline(), 120)).strip() == b"receiving"
         procs[rid] = proc
     sender = _publish_in_background(prepared)
     await asyncio.sleep(0.3)  # both joined or joining; 2048 buckets are in flight

@@ -10,7 +10,7 @@ releases the GIL, so the hashing runs beside the stream.
 
 Chunks arrive in order (the learner sends each bucket front to back); a bucket whose chunks come
 otherwise, or an algorithm without an incremental form (wsum64), is verified whole in a thread once
-complete, as before. The bytes hashed are the segment's (what the engine loads), not the messages'.
+complete. The bytes hashed are the segment's (what the engine loads), not the messages'.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class LandingCheck:
             self._next[bucket.index] += size
         else:
             self._whole.add(bucket.index)
-        if complete and (self._new_hasher is None or bucket.index in self._whole):
+        if complete and bucket.index in self._whole:  # every bucket, without an incremental hasher
             check = asyncio.to_thread(weights.verify_bucket, self._buf, self._manifest, bucket)
             self._checks.append(asyncio.ensure_future(check))
 

@@ -210,7 +210,7 @@ async def run_service(
     from grpo.rollout.v1 import rollout_pb2
 
     if args.calls == "batched":
-        from services.scheduler.clients import Sampling
+        from services.scheduler.peers.clients import Sampling
 
         group = Sampling(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
         calls, messages = client.batcher.calls, client.batcher.messages
@@ -270,8 +270,8 @@ async def measure(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
     from grpo.rollout.v1 import rollout_pb2_grpc
     from services.common.clients import open_channel
     from services.launch.processes import ServiceProcess
-    from services.scheduler.config import TimeoutSettings
-    from services.scheduler.grpc_clients import GrpcRolloutClient
+    from services.scheduler.peers.config import TimeoutSettings
+    from services.scheduler.peers.grpc_clients import GrpcRolloutClient
 
     argv = rollout_argv(args, model)
     texts = build_prompts(args.prompts * args.batches, args.prompt_seed)

@@ -5,12 +5,13 @@ scheduler's own, or gRPC's).
 The real `Orchestrator` (services/scheduler/orchestrator.py) trains a whole run against stub peers,
 in one of two modes:
 
-  inproc    stub `EnvClient`, `LearnerClient` and `RolloutClient` objects (services/scheduler/clients.py)
-            on the scheduler's own event loop: the scheduler's ceiling. Every stub call answers on the
-            loop's next turn, as a reply already waiting on a socket would.
+  inproc    stub `EnvClient`, `LearnerClient` and `RolloutClient` objects
+            (services/scheduler/peers/clients.py) on the scheduler's own event loop: the scheduler's
+            ceiling. Every stub call answers on the loop's next turn, as a reply already waiting on a
+            socket would.
   loopback  stub gRPC servers of the real protos (grpo/env, grpo/learner, grpo/rollout: one server for
             env + learner, one per rollout) on 127.0.0.1:0 in a child process, reached through the
-            real clients of services/scheduler/grpc_clients.py: the scheduler plus the cost of gRPC.
+            real clients of services/scheduler/peers/grpc_clients.py: the scheduler plus the cost of gRPC.
 
 A stub rollout returns `--group-size` completions of `--tokens` tokens, every token stamped with the
 version it holds; the stub env scores at once; the stub learner moves one version per TrainStep;
@@ -74,7 +75,9 @@ from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.clients import grpc_options, open_channel
 from services.common.config import CONTROL_MESSAGE_BYTES
 from services.common.logging import configure_logging
-from services.scheduler.clients import (
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.orchestrator import Orchestrator
+from services.scheduler.peers.clients import (
     Batch,
     LearnerInfo,
     PreparedWeights,
@@ -84,10 +87,9 @@ from services.scheduler.clients import (
     StepResult,
     TokenScores,
 )
-from services.scheduler.config import SchedulerSettings, TimeoutSettings
-from services.scheduler.grpc_clients import GrpcEnvClient, GrpcLearnerClient, GrpcRolloutClient
-from services.scheduler.orchestrator import Orchestrator
-from services.scheduler.rollouts import RolloutPool
+from services.scheduler.peers.config import TimeoutSettings
+from services.scheduler.peers.grpc_clients import GrpcEnvClient, GrpcLearnerClient, GrpcRolloutClient
+from services.scheduler.peers.rollouts import RolloutPool
 
 GOAL_COMPLETIONS_PER_S = 20_000.0
 GOAL_ADDED_P99_MS = 2.0

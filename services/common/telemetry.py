@@ -12,7 +12,7 @@ Every service exports the same base set (the interceptor and the skeleton fill t
 plus prometheus-client's `process_*` and `python_*` collectors, and each service's own metrics:
 the app's `metrics_snapshot()` (read at scrape time from the state the service already keeps, so
 nothing is mirrored or double-counted; `AppCollector`) and the scheduler's histograms (per step, per call)
-(`services/scheduler/metrics.py`). All names are listed in docs/operations.md. Updating a metric is
+(`services/scheduler/observe/metrics.py`). All names are listed in docs/operations.md. Updating a metric is
 a few dictionary operations under a lock: cheap enough for the event loop; the HTTP server runs on
 prometheus-client's own thread.
 """

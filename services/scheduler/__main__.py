@@ -5,11 +5,11 @@ import sys
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["audit"]:
-        from services.scheduler.audit import main as audit
+        from services.scheduler.ledger.audit import main as audit
 
         sys.exit(audit(sys.argv[2:]))
     if sys.argv[1:2] == ["status"]:
-        from services.scheduler.status_view import main as status
+        from services.scheduler.observe.status_view import main as status
 
         sys.exit(status(sys.argv[2:]))
     from services.scheduler.server import main

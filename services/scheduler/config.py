@@ -10,7 +10,8 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.advantages import AdvantageMode
 from services.common.config import ServiceSettings
-from services.scheduler.tracking import TrackingSettings
+from services.scheduler.observe.tracking import TrackingSettings
+from services.scheduler.peers.config import GenerateBatchSettings, TimeoutSettings
 from services.transports import TransportKind
 from services.transports.kinds import ImplementedTransport
 
@@ -24,44 +25,6 @@ class SamplingSettings(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling; 1.0 = off.")
     top_k: int = Field(default=0, ge=0, description="Top-k sampling; 0 = off.")
     max_tokens: int = Field(default=8, ge=1, description="Max completion tokens.")
-
-
-class TimeoutSettings(BaseModel):
-    """Deadlines (seconds) of the scheduler's outbound calls."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    connect: float = Field(default=120.0, description="Waiting for a peer's channel to connect at start.")
-    control: float = Field(
-        default=30.0,
-        description="Small control RPCs (state, sample prompts, release, abort, probe scoring).",
-    )
-    generate: float = Field(
-        default=300.0, description="One GenerateBatch stream (its groups, from the call to the last one)."
-    )
-    score: float = Field(default=120.0, description="Scoring one group.")
-    train_step: float = Field(default=600.0, description="One learner TrainStep.")
-    weight_sync: float = Field(
-        default=300.0,
-        description="Each phase of one weight sync: the learner's prepare, a rollout's stage or commit.",
-    )
-
-
-class GenerateBatchSettings(BaseModel):
-    """How the scheduler's groups travel to a rollout: several in one GenerateBatch call."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    window_ms: float = Field(
-        default=1.0,
-        ge=0,
-        description="How long a group's generation request waits for others to the same rollout before "
-        "they go out together in one call (each call costs a few hundred microseconds of CPU at both "
-        "ends); 0 = only those issued in the same event-loop turn.",
-    )
-    max_requests: int = Field(
-        default=64, ge=1, description="Most groups in one GenerateBatch call (1 = a call per group)."
-    )
 
 
 class RecoverySettings(BaseModel):
@@ -172,7 +135,7 @@ class SchedulerSettings(ServiceSettings):
         default=False,
         description="Write <run_dir>/trace.json, a timeline of the run (each group's generate and score, "
         "each train step, each weight sync's phases and probe) to open in ui.perfetto.dev; "
-        "services/scheduler/timeline.py.",
+        "services/scheduler/observe/timeline.py.",
     )
     sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="Training sampling.")
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings, description="Client-call deadlines.")

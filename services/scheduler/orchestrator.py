@@ -28,28 +28,29 @@ from functools import partial
 from services.common.advantages import MODE_FOR_LOSS, AdvantageMode
 from services.common.errors import GrpoError
 from services.common.logging import get_logger
-from services.scheduler.alignment import AlignmentProbe
-from services.scheduler.clients import (
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.ledger.group_ledger import GroupLedger, GroupState
+from services.scheduler.ledger.recovery import LOST_LINEAGE, LedgerMismatch, RecoveryPlan, plan_recovery
+from services.scheduler.ledger.store import BatchRow, LedgerStore, Snapshot, new_run_id
+from services.scheduler.observe.metrics import MetricsLog, observe_step, step_record
+from services.scheduler.observe.status import RolloutStatus, SchedulerStatus
+from services.scheduler.observe.timeline import EVALUATE, LEARNER, Timeline
+from services.scheduler.observe.tracking import Tracker
+from services.scheduler.peers.clients import (
     EnvClient,
     LearnerClient,
     LearnerInfo,
     ScoredGroup,
     StepResult,
 )
-from services.scheduler.config import SchedulerSettings
-from services.scheduler.evaluation import Evaluator
-from services.scheduler.groups import GroupPipeline, patiently
-from services.scheduler.ledger import GroupLedger, GroupState
-from services.scheduler.metrics import MetricsLog, observe_step, step_record
-from services.scheduler.policy import build_train_batch
-from services.scheduler.recovery import LOST_LINEAGE, LedgerMismatch, RecoveryPlan, plan_recovery
-from services.scheduler.rollouts import RolloutPool
-from services.scheduler.status import RolloutStatus, SchedulerStatus
-from services.scheduler.step_sync import StepSync
-from services.scheduler.store import BatchRow, LedgerStore, Snapshot, new_run_id
-from services.scheduler.timeline import EVALUATE, LEARNER, Timeline
-from services.scheduler.tracking import Tracker
-from services.scheduler.weight_sync import SyncResult, WeightSyncer
+from services.scheduler.peers.patience import patiently
+from services.scheduler.peers.rollouts import RolloutPool
+from services.scheduler.pipeline.alignment import AlignmentProbe
+from services.scheduler.pipeline.evaluation import Evaluator
+from services.scheduler.pipeline.groups import GroupPipeline
+from services.scheduler.pipeline.policy import build_train_batch
+from services.scheduler.pipeline.step_sync import StepSync
+from services.scheduler.pipeline.weight_sync import SyncResult, WeightSyncer
 
 log = get_logger(__name__)
 
@@ -382,7 +383,7 @@ class Orchestrator:
                 lost, sync, holding = exc, SyncResult.nothing(result.weight_version), 0
         await self.pool.notify()
         record = step_record(
-            groups, staleness, result, sync,
+            groups, staleness, result, **sync.record(),
             weight_transport=cfg.weight_transport.value,
             logprob_abs_diff_max=self.step_sync.last_alignment,
             tokens_per_s=self.groups.tokens.take(),

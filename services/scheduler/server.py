@@ -16,9 +16,9 @@ from services.common.logging import get_logger
 from services.common.serve import run_service, service_names
 from services.common.telemetry import Reading
 from services.scheduler.config import SchedulerSettings
-from services.scheduler.grpc_clients import GrpcEnvClient, GrpcLearnerClient, GrpcRolloutClient
 from services.scheduler.orchestrator import Orchestrator
-from services.scheduler.rollouts import RolloutPool
+from services.scheduler.peers.grpc_clients import GrpcEnvClient, GrpcLearnerClient, GrpcRolloutClient
+from services.scheduler.peers.rollouts import RolloutPool
 from services.scheduler.servicer import SchedulerServicer
 
 log = get_logger(__name__)

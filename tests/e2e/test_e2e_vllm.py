@@ -20,10 +20,10 @@ from services.common.clients import open_channel
 from services.common.serve import start_server
 from services.launch.demo import DemoSettings, run_config
 from services.launch.processes import ServiceProcess
-from services.scheduler.audit import audit
 from services.scheduler.config import SchedulerSettings
+from services.scheduler.ledger.audit import audit
+from services.scheduler.ledger.store import read_ledger
 from services.scheduler.server import SchedulerApp
-from services.scheduler.store import read_ledger
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -1,5 +1,5 @@
 """In-memory peers of the scheduler: the `EnvClient`, `LearnerClient` and `RolloutClient` protocols
-(services/scheduler/clients.py) without gRPC, with fault injection, so orchestration runs in ms.
+(services/scheduler/peers/clients.py) without gRPC, with fault injection, so orchestration runs in ms.
 
 They keep the contracts the real services keep (versions advance by one per step, a commit needs the
 staged version, every token carries the version that produced it) and record what they were asked.
@@ -14,7 +14,9 @@ from pathlib import Path
 
 from grpo.common.v1 import types_pb2
 from services.common.errors import Aborted, FailedPrecondition, GrpoError, Unavailable
-from services.scheduler.clients import (
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.orchestrator import Orchestrator
+from services.scheduler.peers.clients import (
     Batch,
     LearnerInfo,
     PreparedWeights,
@@ -25,9 +27,7 @@ from services.scheduler.clients import (
     StepResult,
     TokenScores,
 )
-from services.scheduler.config import SchedulerSettings
-from services.scheduler.orchestrator import Orchestrator
-from services.scheduler.rollouts import RolloutPool
+from services.scheduler.peers.rollouts import RolloutPool
 from services.transports import Receiver, TransportKind
 
 

@@ -1,6 +1,6 @@
 """Exactly-once across restarts, against in-memory peers: a scheduler that dies and comes back on its
 run directory, a learner that comes back from an older checkpoint, dynamic sampling; every run is
-checked by the audit (services/scheduler/audit.py) as well as by what the learner was sent."""
+checked by the audit (services/scheduler/ledger/audit.py) as well as by what the learner was sent."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import asyncio
 import json
 from pathlib import Path
 
-from services.scheduler.audit import audit
-from services.scheduler.ledger import GroupState
-from services.scheduler.store import read_ledger
+from services.scheduler.ledger.audit import audit
+from services.scheduler.ledger.group_ledger import GroupState
+from services.scheduler.ledger.store import read_ledger
 
 from .fakes import FakeLearner, FakeRollout, Scores, cluster
 

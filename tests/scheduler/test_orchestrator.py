@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import Aborted, InvalidArgument, Unavailable
-from services.scheduler.groups import MAX_ATTEMPTS
-from services.scheduler.ledger import GroupState
-from services.scheduler.weight_sync import AlignmentError
+from services.scheduler.ledger.group_ledger import GroupState
+from services.scheduler.pipeline.groups import MAX_ATTEMPTS
+from services.scheduler.pipeline.weight_sync import AlignmentError
 
 from .fakes import FakeRollout, cluster
 

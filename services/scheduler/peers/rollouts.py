@@ -1,0 +1,183 @@
+"""The scheduler's view of its rollout workers: clients, credits, versions and health.
+
+A handle is usable for new work when it is healthy, not in a weight sync, and not flagged
+`needs_sync`: a rollout that (re)joins with weights other than the run's current version, or whose
+last stage/commit failed (and was aborted), gets the current version before any work, whatever the
+staleness bound would allow.
+
+The pool is bounded: at most `max_rollouts` handles, and a rollout that joined with RegisterWorker
+and has not answered for `forget_after` seconds is forgotten (the configured ones are kept: a
+supervisor brings them back), so bogus or dead registrations cannot grow the pool or GetStatus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.common.errors import GrpoError, ResourceExhausted
+from services.common.logging import get_logger
+from services.scheduler.peers.clients import RolloutClient
+from services.scheduler.peers.placement import RolloutSlot, choose_rollout
+
+log = get_logger(__name__)
+
+
+@dataclass
+class RolloutHandle:
+    address: str
+    client: RolloutClient
+    rollout_id: str = ""
+    version: int = -1
+    in_flight: int = 0
+    max_in_flight: int = 1
+    healthy: bool = False
+    syncing: bool = False
+    needs_sync: bool = False
+    weight_workers: int = 1
+    instance_id: str = ""
+    registered: bool = False  # joined with RegisterWorker (forgotten when unreachable too long)
+    unreachable_since: float | None = field(default_factory=time.monotonic)  # None while healthy
+
+    @property
+    def name(self) -> str:
+        return self.rollout_id or self.address
+
+    @property
+    def usable(self) -> bool:
+        """Healthy and free for new work: not in a weight sync and not waiting for one."""
+        return self.healthy and not self.syncing and not self.needs_sync
+
+    def slot(self) -> RolloutSlot:
+        return RolloutSlot(self.name, self.in_flight, self.max_in_flight, self.version, self.usable)
+
+
+class RolloutPool:
+    """All known rollouts; `changed` is notified whenever credits, health or versions move."""
+
+    def __init__(
+        self, connect: Callable[[str], RolloutClient], max_rollouts: int = 256, forget_after: float = 300.0
+    ) -> None:
+        self._connect = connect
+        self._by_address: dict[str, RolloutHandle] = {}
+        self.max_rollouts = max_rollouts
+        self.forget_after = forget_after
+        self._closing: set[asyncio.Task] = set()
+        self.changed = asyncio.Condition()
+
+    def add(self, address: str, registered: bool = False) -> RolloutHandle:
+        """The handle for `address` (created unhealthy; the next refresh finds out its state)."""
+        if address not in self._by_address:
+            if len(self._by_address) >= self.max_rollouts:
+                self.forget_unreachable()
+            if len(self._by_address) >= self.max_rollouts:
+                raise ResourceExhausted(
+                    f"{len(self._by_address)} rollouts known (max {self.max_rollouts}); registered ones "
+                    f"that stay unreachable are forgotten after {self.forget_after:g}s"
+                )
+            self._by_address[address] = RolloutHandle(address, self._connect(address), registered=registered)
+        return self._by_address[address]
+
+    def forget_unreachable(self) -> list[str]:
+        """Drop registered rollouts unreachable for `forget_after` s with no work or sync on them."""
+        now = time.monotonic()
+        gone = [
+            h
+            for h in self._by_address.values()
+            if h.registered
+            and not h.healthy
+            and h.in_flight == 0
+            and not h.syncing
+            and h.unreachable_since is not None
+            and now - h.unreachable_since >= self.forget_after
+        ]
+        for handle in gone:
+            del self._by_address[handle.address]
+            task = asyncio.ensure_future(handle.client.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            log.warning("forgot an unreachable registered rollout", address=handle.address)
+        return [h.address for h in gone]
+
+    def handles(self) -> list[RolloutHandle]:
+        return list(self._by_address.values())
+
+    def healthy(self) -> list[RolloutHandle]:
+        return [h for h in self._by_address.values() if h.healthy]
+
+    def behind(self, version: int) -> list[RolloutHandle]:
+        """Healthy rollouts a sync to `version` must target: not holding it, or flagged `needs_sync`."""
+        return [h for h in self.healthy() if h.version != version or h.needs_sync]
+
+    async def refresh(self, handle: RolloutHandle, current_version: int) -> None:
+        """Poll one rollout's state; mark it unhealthy if it does not answer in time. A rollout that
+        becomes healthy with weights other than `current_version` must be synced before any work."""
+        try:
+            info = await handle.client.state()
+        except GrpoError as exc:
+            if handle.healthy:
+                log.warning("rollout unreachable", address=handle.address, error=str(exc))
+            await self.mark(handle, healthy=False)
+            return
+        handle.rollout_id = info.rollout_id
+        handle.version = info.weight_version
+        handle.max_in_flight = max(1, info.max_in_flight)
+        handle.weight_workers, handle.instance_id = info.weight_workers, info.instance_id
+        if info.ready and not handle.healthy:
+            # sticky: a rollout flagged (failed sync, or weights of a lineage the learner lost) stays so
+            handle.needs_sync = handle.needs_sync or handle.version != current_version
+            log.info(
+                "rollout healthy", rollout=handle.name, version=handle.version, needs_sync=handle.needs_sync
+            )
+        await self.mark(handle, healthy=info.ready)
+
+    async def refresh_all(self, current_version: int) -> None:
+        await asyncio.gather(*(self.refresh(h, current_version) for h in self.handles()))
+        self.forget_unreachable()
+
+    async def wait_for_healthy(self, current_version: int, timeout_s: float, poll_s: float) -> None:
+        """Poll every rollout until one is ready (one may be restarting); RuntimeError after
+        `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self.refresh_all(current_version)
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no rollout became ready within {timeout_s:g} s")
+            await asyncio.sleep(poll_s)
+
+    async def mark(self, handle: RolloutHandle, *, healthy: bool) -> None:
+        async with self.changed:
+            handle.healthy = healthy
+            if healthy:
+                handle.unreachable_since = None
+            elif handle.unreachable_since is None:
+                handle.unreachable_since = time.monotonic()
+            self.changed.notify_all()
+
+    async def acquire(self, train_version: Callable[[], int], max_staleness: int) -> RolloutHandle:
+        """Wait for a rollout with a free credit whose weights are at most `max_staleness` versions
+        older than `train_version()` (re-evaluated on every change), and take one credit on it."""
+        handles = self._by_address.values()
+        handle = choose_rollout(handles, train_version(), max_staleness)
+        if handle is None:  # nothing free now: wait for a change (the lock is only needed to wait)
+            async with self.changed:
+                while (handle := choose_rollout(handles, train_version(), max_staleness)) is None:
+                    await self.changed.wait()
+        handle.in_flight += 1
+        return handle
+
+    async def release(self, handle: RolloutHandle) -> None:
+        async with self.changed:
+            handle.in_flight -= 1
+            self.changed.notify_all()
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(h.client.close() for h in self.handles()))

@@ -1,0 +1,80 @@
+"""The post-sync alignment check: after every weight sync, learner and rollouts score one fixed probe
+sequence and must agree on its logprobs (max |Δ| ≤ `alignment_threshold`; fp32 keeps it ≤ 1e-4).
+
+The probe is made once per scheduler start: one seeded completion (at most `alignment_probe_tokens`
+long) of the env's first eval prompt, from the first rollout that answers. `alignment_action` decides
+what a disagreement does: `fail` stops the run (AlignmentError), `warn` logs it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from functools import partial
+
+from grpo.common.v1 import types_pb2
+from services.common.errors import GrpoError
+from services.common.logging import get_logger
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.peers.clients import EnvClient, Sampling, TokenScores
+from services.scheduler.peers.patience import patiently
+from services.scheduler.peers.rollouts import RolloutHandle, RolloutPool
+from services.scheduler.pipeline.weight_sync import AlignmentError, WeightSyncer
+
+log = get_logger(__name__)
+
+
+class AlignmentProbe:
+    """Makes the probe sequence and judges each sync by it."""
+
+    def __init__(self, settings: SchedulerSettings, syncer: WeightSyncer) -> None:
+        self.settings = settings
+        self._syncer = syncer
+        self.sequence: types_pb2.TokenSequence | None = None
+
+    async def make(self, env: EnvClient, pool: RolloutPool) -> types_pb2.TokenSequence:
+        """A fixed probe: one seeded completion of the env's first eval prompt, no longer than
+        `alignment_probe_tokens` (from the first rollout that answers; unreachable ones are marked
+        unhealthy)."""
+        prompt = (await patiently(self.settings.recovery, "env", partial(env.sample, 1, "eval", start=0)))[0]
+        cfg = self.settings.sampling
+        max_tokens = min(cfg.max_tokens, self.settings.alignment_probe_tokens)
+        sampling = Sampling(n=1, temperature=cfg.temperature, max_tokens=max_tokens, seed=1234)
+        for handle in pool.healthy():
+            try:
+                completions = await handle.client.generate(f"probe-{uuid.uuid4().hex[:8]}", prompt, sampling)
+            except GrpoError as exc:
+                if not exc.unreachable:
+                    raise
+                await pool.mark(handle, healthy=False)
+                continue
+            if not completions:
+                raise RuntimeError("probe generation returned nothing")
+            self.sequence = types_pb2.TokenSequence(
+                prompt_token_ids=completions[0].prompt_token_ids,
+                completion_token_ids=completions[0].completion_token_ids,
+                temperature=cfg.temperature,
+            )
+            return self.sequence
+        raise RuntimeError("no rollout answered the probe generation")
+
+    async def score_learner(self) -> TokenScores:
+        """The learner's side of the next check, taken now (while it holds the version to check)."""
+        assert self.sequence is not None, "make() the probe first"
+        return await self._syncer.score_learner(self.sequence)
+
+    async def check(
+        self, rollouts: list[RolloutHandle], version: int, learner: TokenScores | None = None
+    ) -> float:
+        """Max |learner − rollout| logprob on the probe across `rollouts` (all at `version`); the
+        learner scores now unless its `score_learner` answer at `version` is given."""
+        assert self.sequence is not None, "make() the probe first"
+        diff = await self._syncer.probe(self.sequence, rollouts, learner)
+        if diff > self.settings.alignment_threshold:
+            message = (
+                f"logprob misalignment after sync to v{version}: max |Δ| = {diff:.3g} "
+                f"> threshold {self.settings.alignment_threshold:g}"
+            )
+            if self.settings.alignment_action == "fail":
+                raise AlignmentError(message)
+            log.warning(message)
+        return diff

@@ -1,15 +1,27 @@
 """The tree's layering, enforced: shared code depends on no service, services do not import each
-other, and no two modules import each other (directly or through a cycle), lazy imports included.
+other, the scheduler's wings import only the wings below them, and no two modules import each other
+(directly or through a cycle), lazy imports included.
 
     services/common       shared plumbing             → nothing above it
     services/transports   weight transports           → common
     services/<service>    env, learner, rollout, scheduler → common, transports
     services/launch       the launcher                → anything
+    services/cli.py       the grpo-mesh command line  → anything
+
+Inside services/scheduler (its README.md maps the files):
+
+    peers/      the three peers: protocols, gRPC clients, the rollout pool  → peers
+    observe/    metrics, trackers, timeline, status                        → observe, peers
+    ledger/     group ledger, SQLite store, recovery, audit, lineage       → ledger, observe, peers
+    config.py   the scheduler's settings, gathered from the wings'         → peers, observe
+    pipeline/   groups, batches, weight and step sync, alignment, eval     → everything above
+    orchestrator.py, server.py, servicer.py, __main__.py (the top)         → anything in the scheduler
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +33,17 @@ ALLOWED = {
     "transports": {"common", "transports"},
     **{name: {"common", "transports", name} for name in SERVICES},
 }
+
+
+# What each part of the scheduler may import of the scheduler (a wing's own modules included).
+SCHEDULER_WINGS = {
+    "peers": {"peers"},
+    "observe": {"observe", "peers"},
+    "ledger": {"ledger", "observe", "peers"},
+    "config": {"observe", "peers"},
+    "pipeline": {"pipeline", "ledger", "observe", "peers", "config"},
+}
+SCHEDULER_TOP = {"orchestrator", "server", "servicer", "__main__"}
 
 
 def _module_name(path: Path, root: Path = ROOT) -> str:
@@ -70,6 +93,37 @@ def test_every_layer_imports_only_what_it_may() -> None:
         if _layer(target) not in ALLOWED[_layer(module)]
     ]
     assert not problems, "layering violations:\n" + "\n".join(sorted(problems))
+
+
+def _wing(module: str) -> str:
+    """`services.scheduler.ledger.store` → "ledger"; `services.scheduler.config` → "config"."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else ""
+
+
+def test_the_scheduler_wings_import_only_the_wings_below_them() -> None:
+    graph = {m: targets for m, targets in _graph().items() if m.startswith("services.scheduler.")}
+    parts = {_wing(m) for m in graph}
+    unplaced = parts - set(SCHEDULER_WINGS) - SCHEDULER_TOP
+    assert not unplaced, f"scheduler modules or wings with no place in SCHEDULER_WINGS: {sorted(unplaced)}"
+    problems = [
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if _wing(module) in SCHEDULER_WINGS
+        for target in targets
+        if target.startswith("services.scheduler.") and _wing(target) not in SCHEDULER_WINGS[_wing(module)]
+    ]
+    assert not problems, "sideways or upward imports inside the scheduler:\n" + "\n".join(sorted(problems))
+
+
+def test_the_scheduler_readme_maps_every_module() -> None:
+    """services/scheduler/README.md's tables map every module of the package, and only those."""
+    package = ROOT / "services" / "scheduler"
+    readme = (package / "README.md").read_text()
+    files = {p.relative_to(package).as_posix() for p in package.rglob("*.py") if p.name != "__init__.py"}
+    named = set(re.findall(r"^\| `([\w/]+\.py)` \|", readme, re.MULTILINE))  # the tables' first column
+    assert not files - named, f"modules the README does not map: {sorted(files - named)}"
+    assert not named - files, f"files the README names that do not exist: {sorted(named - files)}"
 
 
 def test_no_import_cycles() -> None:

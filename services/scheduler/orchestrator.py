@@ -1,4 +1,4 @@
-"""The central asyncio loop of a run.
+"""The central asyncio loop of a run: the scheduler's components wired together, and the train loop.
 
 Four cooperating tasks, joined by bounded queues:
 
@@ -6,49 +6,44 @@ Four cooperating tasks, joined by bounded queues:
     (env.sample)               (admission, least-loaded rollout)    (rollout)  (env)     (learner step, sync)
     health monitor: polls rollouts, brings lagging or (re)joined ones up to the current version.
 
-Each step's sync, probe and metrics row run behind the learner's next step (`step_sync.py`).
+The feeder, dispatcher and group tasks are `pipeline/groups.py`; the trainer takes each step's batch
+from `pipeline/batches.py`, and each step's sync, probe and metrics row run behind the learner's next
+step (`pipeline/step_sync.py`).
 
-Every group is tracked in the ledger, and the ledger is durable (`store.py`: SQLite in the run
-directory). A group whose rollout dies is dropped and its prompt re-issued, so a dead worker costs
-time, never data; an env or learner that goes away is waited for (a supervisor restarts it); a
+Every group is tracked in the ledger, and the ledger is durable (`ledger/store.py`: SQLite in the
+run directory). A group whose rollout dies is dropped and its prompt re-issued, so a dead worker
+costs time, never data; an env or learner that goes away is waited for (a supervisor restarts it); a
 learner that comes back from an older checkpoint is caught up by training the same batches again
-(`recovery.py`); a restarted scheduler continues from the ledger. The peers are the protocols of
-`clients.py`: this module builds no request message and handles no status code (a failure's
-`retryable` and `unreachable` say everything the policy needs).
+(`ledger/lineage.py`, `ledger/recovery.py`); a restarted scheduler continues from the ledger. The
+peers are the protocols of `peers/clients.py`: this module builds no request message and handles no
+status code (a failure's `retryable` and `unreachable` say everything the policy needs).
 """
 
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
-from collections import deque
 from functools import partial
 
 from services.common.advantages import MODE_FOR_LOSS, AdvantageMode
 from services.common.errors import GrpoError
 from services.common.logging import get_logger
 from services.scheduler.config import SchedulerSettings
-from services.scheduler.ledger.group_ledger import GroupLedger, GroupState
-from services.scheduler.ledger.recovery import LOST_LINEAGE, LedgerMismatch, RecoveryPlan, plan_recovery
-from services.scheduler.ledger.store import BatchRow, LedgerStore, Snapshot, new_run_id
-from services.scheduler.observe.metrics import MetricsLog, observe_step, step_record
+from services.scheduler.ledger.group_ledger import GroupLedger
+from services.scheduler.ledger.lineage import Lineage
+from services.scheduler.ledger.recovery import RecoveryPlan
+from services.scheduler.ledger.store import LedgerStore, Snapshot, new_run_id
 from services.scheduler.observe.status import RolloutStatus, SchedulerStatus
-from services.scheduler.observe.timeline import EVALUATE, LEARNER, Timeline
-from services.scheduler.observe.tracking import Tracker
-from services.scheduler.peers.clients import (
-    EnvClient,
-    LearnerClient,
-    LearnerInfo,
-    ScoredGroup,
-    StepResult,
-)
+from services.scheduler.observe.timeline import LEARNER, Timeline
+from services.scheduler.peers.clients import EnvClient, LearnerClient, LearnerInfo, StepResult
 from services.scheduler.peers.patience import patiently
 from services.scheduler.peers.rollouts import RolloutPool
 from services.scheduler.pipeline.alignment import AlignmentProbe
+from services.scheduler.pipeline.batches import BatchAssembler, PlannedBatch
 from services.scheduler.pipeline.evaluation import Evaluator
 from services.scheduler.pipeline.groups import GroupPipeline
 from services.scheduler.pipeline.policy import build_train_batch
+from services.scheduler.pipeline.step_report import StepReport
 from services.scheduler.pipeline.step_sync import StepSync
 from services.scheduler.pipeline.weight_sync import SyncResult, WeightSyncer
 
@@ -64,28 +59,21 @@ class Orchestrator:
         self.store = LedgerStore(settings.run_dir)
         self.ledger = GroupLedger(sink=self.store.group_changed)
         self.timeline = Timeline()  # records once the run starts with `trace` on
+        self.lineage = Lineage(self.ledger, self.store, pool)
         self.syncer = WeightSyncer(learner, pool, settings.weight_transport, self.timeline)
-        self.alignment = AlignmentProbe(settings, self.syncer)
-        self.step_sync = StepSync(self.syncer, self.alignment, pool, self.timeline)
-        self.evaluator = Evaluator(settings, env, pool)
+        self.step_sync = StepSync(self.syncer, AlignmentProbe(settings, self.syncer), pool, self.timeline)
         self.groups = GroupPipeline(
-            settings, env, pool, self.ledger, self.store, lambda: self.version, lambda: self.generation,
-            self.timeline,
+            settings, env, pool, self.ledger, self.store, lambda: self.version,
+            lambda: self.lineage.generation, self.timeline,
         )  # fmt: skip
-        self.recovered: deque[ScoredGroup] = deque()  # scored groups a restart found unbatched: first in
-        self._batches: dict[int, BatchRow] = {}  # every batch of the run, by step (ids only)
-        self._replay: deque[BatchRow] = deque()  # batches to train (again) before new ones
-        self.generation = 0  # learner lineage generation: +1 at every rewind
-        self._rewinds: list[tuple[int, int]] = []  # (generation started, version rewound to)
-        self._learner_instance = ""
-        self._lineage = ""
+        self.batches = BatchAssembler(settings, self.groups, self.lineage, self.store, pool)
+        self.evaluator = Evaluator(settings, env, pool)
+        self.report = StepReport(settings, self.groups, self.ledger, self.evaluator, self.timeline)
         self.version = 0
         self.step = 0
         self.finished = False
         self.error = ""
-        self._staleness_total, self._staleness_groups = 0, 0  # over every trained group (GetStatus)
         self.advantage_mode = settings.advantage_mode
-        self._metrics: MetricsLog | None = None  # opened when the run starts
         self._born = time.monotonic()
         self.run_id = ""  # the ledger's, once the run is prepared
 
@@ -94,21 +82,12 @@ class Orchestrator:
     async def run(self) -> None:
         """Train until max_steps (or cancellation). Records a failure in `self.error` and re-raises."""
         background = []
-        self._metrics = MetricsLog(self.settings.run_dir)
+        self.report.open()
         if self.settings.trace:
             self.timeline.open(self.settings.run_dir / "trace.json")
         try:
-            snapshot = await self.store.open()
-            await self._prepare(snapshot)
-            self._metrics.tracker = (
-                await asyncio.to_thread(  # opens files; W&B online may wait on the network
-                    Tracker,
-                    self.settings.run_dir,
-                    self.settings.tracking,
-                    run_name=f"grpo-{self.run_id}",
-                    config=self.settings.model_dump(mode="json", exclude={"security"}),
-                )
-            )
+            await self._prepare(await self.store.open())
+            await self.report.track(self.run_id)
             background = [
                 asyncio.create_task(self.groups.feed(), name="feeder"),
                 asyncio.create_task(self.groups.dispatch(), name="dispatcher"),
@@ -136,7 +115,7 @@ class Orchestrator:
                 task.cancel()
             await asyncio.gather(*background, *in_flight, return_exceptions=True)
             await self.store.close()
-            self._metrics.close()
+            self.report.close()
             await asyncio.to_thread(self.timeline.close)
 
     async def _prepare(self, snapshot: Snapshot) -> None:
@@ -145,7 +124,7 @@ class Orchestrator:
         # a peer may still be (re)starting: a restarted scheduler must not fail on a learner loading
         state = await patiently(self.settings.recovery, "learner", self.learner.state)
         self.version, self.step = state.weight_version, state.step
-        self._learner_instance, self._lineage = state.instance_id, state.lineage_id
+        self.lineage.start(state)
         if self.advantage_mode == "auto":
             self.advantage_mode = MODE_FOR_LOSS.get(state.loss, AdvantageMode.group_std)
         resumed = not snapshot.empty
@@ -155,15 +134,10 @@ class Orchestrator:
         else:
             cfg = self.settings
             self.store.set_meta(
-                run_id=self.run_id,
-                lineage_id=state.lineage_id,
-                group_size=cfg.group_size,
-                groups_per_batch=cfg.groups_per_batch,
-                max_staleness=cfg.max_staleness,
-                generation=0,
+                run_id=self.run_id, lineage_id=state.lineage_id, group_size=cfg.group_size,
+                groups_per_batch=cfg.groups_per_batch, max_staleness=cfg.max_staleness, generation=0,
                 first_step=state.step,
-            )
-            self.groups.cursor = 0
+            )  # fmt: skip
         self.store.event("scheduler_start", step=self.step, version=self.version, resumed=resumed)
         await self.store.flush()
         recovery = self.settings.recovery  # a rollout may still be (re)starting
@@ -172,183 +146,61 @@ class Orchestrator:
             lagging = self.pool.behind(self.version)
             if lagging:
                 await self.syncer.sync(lagging)
-        await self.alignment.make(self.env, self.pool)
-        self.step_sync.last_alignment = await self.alignment.check(self.pool.healthy(), self.version)
-        log.info(
-            "ready to train",
-            version=self.version,
-            advantage_mode=self.advantage_mode,
-            logprob_abs_diff_max=self.step_sync.last_alignment,
-        )
+        diff = await self.step_sync.first_check(self.env, self.version)
+        log.info("ready to train", version=self.version, mode=self.advantage_mode, logprob_abs_diff_max=diff)
         if self.settings.eval_every and not resumed:
-            await self._log_eval_only()
+            await self.report.evaluate_only(self.step, self.version)
 
     async def _resume(self, snapshot: Snapshot, state: LearnerInfo) -> None:
-        """Continue an earlier incarnation's run: see recovery.py for what each part of the plan means."""
-        ledger_lineage = snapshot.meta.get("lineage_id", "")
-        if ledger_lineage and state.lineage_id and ledger_lineage != state.lineage_id:
-            raise LedgerMismatch(
-                f"{self.store.path} belongs to learner lineage {ledger_lineage}, but the learner reports "
-                f"{state.lineage_id}: point the learner at this run's checkpoints, or use a new run dir"
-            )
-        plan = plan_recovery(snapshot, state)
-        self.generation = int(snapshot.meta.get("generation", "0"))
-        self._batches = dict(snapshot.batches)
-        self.ledger.restore(snapshot.groups)
-        for group_id, reason in plan.drop:
-            self.ledger.advance(group_id, GroupState.DROPPED, reason, reissue=True)
-        await self._apply_learner_plan(plan, state, rewound_from=plan.rewound_from)
+        """Continue an earlier incarnation's run (ledger/recovery.py says what each part of a plan means)."""
+        plan = self.lineage.resume(snapshot, state)
+        await self._apply(plan, state)
         stored = await self.store.load_scored(plan.requeue)
-        self.recovered.extend(stored[gid] for gid in plan.requeue if gid in stored)
+        self.batches.requeue(stored[gid] for gid in plan.requeue if gid in stored)
         prompts = await self.store.load_prompts(plan.reissue)
-        self.groups.reissue.extend((p, prompts[p]) for p in plan.reissue if p in prompts)
-        self.groups.cursor = plan.next_position
+        self.groups.resume_at(plan.next_position, [(p, prompts[p]) for p in plan.reissue if p in prompts])
         log.info(
-            "resuming the run from its ledger",
-            step=self.step,
-            version=self.version,
-            replay=[b.step for b in plan.replay],
-            acknowledged=[b.step for b in plan.acknowledge],
-            requeued=len(self.recovered),
-            reissued=len(self.groups.reissue),
-            dropped=len(plan.drop),
-            cursor=self.groups.cursor,
-        )
-
-    async def _apply_learner_plan(
-        self, plan: RecoveryPlan, state: LearnerInfo, rewound_from: int | None
-    ) -> None:
-        """Acknowledge batches the learner trained unacknowledged, queue the ones to train again, and on
-        a rewind start a new lineage generation whose rollouts must first go back to the learner."""
-        for row in plan.acknowledge:
-            self._acknowledge(row, state.instance_id)
-        await self._write_missing_rows(state.step)
-        self._replay = deque(plan.replay)
-        if rewound_from is None:
-            return
-        self.generation += 1
-        self._rewinds.append((self.generation, state.weight_version))
-        self.store.set_meta(generation=self.generation)
-        self.store.event(
-            "learner_rewind", to_version=state.weight_version, from_version=rewound_from,
-            retrain=[b.step for b in plan.replay], generation=self.generation,
+            "resuming the run from its ledger", step=self.step, version=self.version,
+            replay=[b.step for b in plan.replay], acknowledged=[b.step for b in plan.acknowledge],
+            requeued=self.batches.waiting, reissued=len(plan.reissue), dropped=len(plan.drop),
+            cursor=plan.next_position,
         )  # fmt: skip
-        for handle in self.pool.handles():
-            if handle.version > state.weight_version:
-                handle.needs_sync = True  # its weights are of the lost lineage: back to the learner's
-        assert self._metrics is not None
-        self._metrics.write(
-            {"event": "learner_rewind", "step": state.step, "weight_version": state.weight_version,
-             "rewound_from_version": rewound_from, "steps_to_retrain": len(plan.replay)}
-        )  # fmt: skip
-        log.warning(
-            "learner restarted from an older checkpoint: training its lost steps again",
-            to_version=state.weight_version,
-            from_version=rewound_from,
-            retrain=[b.step for b in plan.replay],
-        )
 
-    async def _write_missing_rows(self, learner_step: int) -> None:
-        """A row for each step the learner trained whose row an earlier incarnation never wrote (it
-        died between the step and its row): `"recovered": true`, with what the ledger knows."""
-        assert self._metrics is not None
-        for step in range(self._metrics.last_step, learner_step):
-            row = self._batches.get(step)
-            if row is None:
-                continue
-            groups = await self.store.load_scored(row.group_ids)
-            rewards = [r for g in groups.values() for r in g.rewards]
-            self._metrics.write(
-                {"step": step + 1, "weight_version": step + 1, "recovered": True,
-                 "reward_mean": statistics.fmean(rewards) if rewards else float("nan")}
-            )  # fmt: skip
+    async def _apply(self, plan: RecoveryPlan, state: LearnerInfo) -> None:
+        self.batches.replay(await self.lineage.apply(plan, state, self.report.log))
 
-    def _acknowledge(self, row: BatchRow, instance: str, version_after: int | None = None) -> None:
-        """Record that the learner trained `row` (its groups trained; a re-train leaves them so)."""
-        for group_id in row.group_ids:
-            if self.ledger.get(group_id).state != GroupState.TRAINED:
-                self.ledger.advance(group_id, GroupState.TRAINED)
-        after = row.step + 1 if version_after is None else version_after  # version = step, always
-        self.store.trained(row.step, row.batch_id, after, instance, self.generation)
-
-    # ---- training and weight sync ----------------------------------------------------------------
-
-    async def _next_scored(self) -> ScoredGroup:
-        return self.recovered.popleft() if self.recovered else await self.groups.scored.get()
-
-    def _lost_lineage(self, group: ScoredGroup) -> bool:
-        """Issued before a learner rewind, with tokens of a version that rewind took back."""
-        generation = self.ledger.get(group.group_id).generation
-        floors = [floor for started, floor in self._rewinds if started > generation]
-        return bool(floors) and max(group.versions) > min(floors)
-
-    async def _collect_batch(self) -> tuple[list[ScoredGroup], list[int]]:
-        """B groups within the staleness bound; late ones (and ones of a lost learner lineage) are
-        dropped and their prompts re-issued."""
-        groups, staleness = [], []
-        while len(groups) < self.settings.groups_per_batch:
-            group = await self._next_scored()
-            if self._lost_lineage(group):
-                self.groups.drop(group.group_id, LOST_LINEAGE, group.prompt)
-                await self.pool.notify()
-                continue
-            age = self.version - min(group.versions)
-            if age > self.settings.max_staleness:
-                self.groups.drop(group.group_id, f"stale by {age} versions", group.prompt)
-                await self.pool.notify()
-                continue
-            groups.append(group)
-            staleness.append(age)
-        return groups, staleness
-
-    async def _next_batch(self) -> tuple[BatchRow, list[ScoredGroup], list[int], bool]:
-        """The next step's batch: one to train again (from the ledger) if any, else a new one, which is
-        on disk before the learner sees it (so its id always names the same groups)."""
-        if self._replay:
-            row = self._replay.popleft()
-            stored = await self.store.load_scored(row.group_ids)
-            missing = [gid for gid in row.group_ids if gid not in stored]
-            if missing:
-                raise RuntimeError(f"batch {row.batch_id}: the ledger lacks scored groups {missing}")
-            groups = [stored[gid] for gid in row.group_ids]
-            return row, groups, [row.train_version - min(g.versions) for g in groups], True
-        groups, staleness = await self._collect_batch()
-        row = BatchRow(self.step, f"step-{self.step}", self.version, tuple(g.group_id for g in groups))
-        self._batches[row.step] = row
-        await self.store.commit_batch(row)
-        return row, groups, staleness, False
+    # ---- training --------------------------------------------------------------------------------
 
     async def _train(self) -> None:
         """Batch → train step → the step's sync, probe and row, which run behind the next step
         (`step_sync.py`: the learner waits only for its own part of the sync)."""
         cfg = self.settings
         while not cfg.max_steps or self.step < cfg.max_steps:
-            row, groups, staleness, retrained = await self._next_batch()
-            batch = build_train_batch(groups, row.step, row.batch_id, self.advantage_mode)
+            planned = await self.batches.next(self.step, self.version)
+            row = planned.row
+            batch = build_train_batch(planned.groups, row.step, row.batch_id, self.advantage_mode)
             step_started = time.perf_counter()
             try:
                 result = await self.learner.train_step(batch)
             except GrpoError as exc:
                 if not exc.unreachable:
                     raise
-                self._replay.appendleft(row)  # sent again under its id, unless the learner trained it
+                self.batches.retry(row)  # sent again under its id, unless the learner trained it
                 await self.step_sync.settle()
                 await self._learner_lost(exc)
                 continue
             step_ended = time.perf_counter()
-            train_ms = (step_ended - step_started) * 1e3
             self.timeline.span(
                 LEARNER, "train step", step_started, step_ended,
-                step=result.step, version=result.weight_version, groups=len(groups),
+                step=result.step, version=result.weight_version, groups=len(planned.groups),
             )  # fmt: skip
             # before the loop runs anything else: admission reads the version with the pipeline's size
             self.version, self.step = result.weight_version, result.step
-            self._acknowledge(row, self._learner_instance, result.weight_version)
+            self.lineage.acknowledge(row, result.weight_version)
             await self.pool.notify()
-            self._staleness_total += sum(staleness)
-            self._staleness_groups += len(staleness)
+            self.batches.trained(planned.staleness)
             await self._settle()
-            job = partial(self._finish_step, groups, staleness, result, train_ms, retrained)
+            job = partial(self._finish_step, planned, result, (step_ended - step_started) * 1e3)
             if not await self.step_sync.start(job):  # the learner went away during the sync (or it failed)
                 await self._settle()
             # let the groups in flight run before the next batch is assembled: one step's bookkeeping
@@ -363,17 +215,11 @@ class Orchestrator:
             await self._learner_lost(lost)
 
     async def _finish_step(
-        self,
-        groups: list[ScoredGroup],
-        staleness: list[int],
-        result: StepResult,
-        train_ms: float,
-        retrained: bool,
-        learner_free: asyncio.Future[bool],
+        self, planned: PlannedBatch, result: StepResult, train_ms: float, learner_free: asyncio.Future[bool]
     ) -> GrpoError | None:
-        """A trained step's sync and probe (`learner_free` resolves once the learner may train on), its
-        evaluation and metrics row; the learner error the sync met, if any."""
-        cfg, lost = self.settings, None
+        """A trained step's sync and probe (`learner_free` resolves once the learner may train on), then
+        its row (`step_report.py`); the learner error the sync met, if any."""
+        lost = None
         async with self.syncer.lock:
             try:
                 sync, holding = await self.step_sync.sync(result.weight_version, learner_free)
@@ -382,37 +228,8 @@ class Orchestrator:
                     raise
                 lost, sync, holding = exc, SyncResult.nothing(result.weight_version), 0
         await self.pool.notify()
-        record = step_record(
-            groups, staleness, result, **sync.record(),
-            weight_transport=cfg.weight_transport.value,
-            logprob_abs_diff_max=self.step_sync.last_alignment,
-            tokens_per_s=self.groups.tokens.take(),
-            groups_dropped=self.ledger.counts()["dropped"],
-            train_ms=train_ms,
-            rollouts_synced=holding,  # healthy rollouts on this version after the step's sync
-            retrained=retrained,
-        )  # fmt: skip
-        filtered, self.groups.filtered = self.groups.filtered, 0
-        record["filtered_groups"] = filtered
-        record["filtered_fraction"] = filtered / (filtered + len(groups))
-        if cfg.eval_every and result.step % cfg.eval_every == 0 and lost is None:
-            try:
-                with self.timeline.timed(EVALUATE, "evaluate", version=result.weight_version):
-                    record.update(await self.evaluator.run(result.weight_version))
-            except GrpoError as exc:  # a peer restarting: skip this evaluation, not the run
-                log.warning("evaluation skipped", error=str(exc))
-                record["eval_error"] = str(exc)
-        assert self._metrics is not None
-        self._metrics.write(record)
-        observe_step(record, staleness)
-        log.info(
-            "step",
-            step=result.step,
-            reward=round(record["reward_mean"], 4),
-            loss=round(record["loss"], 5),
-            sync_ms=round(sync.total_ms, 1),
-            diff=record["logprob_abs_diff_max"],
-        )
+        alignment = self.step_sync.last_alignment
+        await self.report.step(planned, result, sync, holding, train_ms, alignment, evaluate=lost is None)
         return lost
 
     async def _learner_lost(self, exc: GrpoError) -> None:
@@ -422,20 +239,13 @@ class Orchestrator:
         started = time.monotonic()
         log.warning("learner unreachable: waiting for it to come back", error=str(exc))
         state = await patiently(self.settings.recovery, "learner", self.learner.state)
-        if state.instance_id == self._learner_instance:
+        plan = await self.lineage.returned(state)
+        if plan is None:
             return
-        if self._lineage and state.lineage_id != self._lineage:
-            raise LedgerMismatch(
-                f"the learner came back with lineage {state.lineage_id}, not this run's {self._lineage} "
-                "(was it restarted without its checkpoint directory?)"
-            )
-        await self.store.flush()
-        plan = plan_recovery(await self.store.snapshot(), state)
-        self._learner_instance = state.instance_id
         async with self.syncer.lock:
             lost_at = self.version
             self.version, self.step = state.weight_version, state.step
-            await self._apply_learner_plan(plan, state, rewound_from=plan.rewound_from)
+            await self._apply(plan, state)
             sync, _ = await self.step_sync.sync(self.version)
         await self.pool.notify()
         stall_s = time.monotonic() - started
@@ -444,19 +254,11 @@ class Orchestrator:
             retrain=[b.step for b in plan.replay], instance=state.instance_id,
         )  # fmt: skip
         log.warning(
-            "learner restarted: run continues",
-            stall_s=round(stall_s, 1),
-            version=state.weight_version,
-            was=lost_at,
-            retrain=len(plan.replay),
-            synced=sync.synced,
-        )
+            "learner restarted: run continues", stall_s=round(stall_s, 1), version=state.weight_version,
+            was=lost_at, retrain=len(plan.replay), synced=sync.synced,
+        )  # fmt: skip
 
-    async def _log_eval_only(self) -> None:
-        record = {"step": self.step, "weight_version": self.version, "eval_only": True}
-        record.update(await self.evaluator.run(self.version))
-        assert self._metrics is not None
-        self._metrics.write(record)
+    # ---- background --------------------------------------------------------------------------------
 
     async def _flush_ledger(self) -> None:
         """Write the ledger's queued changes in the background (batches are written before training)."""
@@ -471,16 +273,8 @@ class Orchestrator:
             await self.catch_up()
 
     async def catch_up(self) -> None:
-        """One health round: refresh every rollout, then sync the healthy ones behind the run's version."""
-        await self.pool.refresh_all(self.version)
-        lagging = [h for h in self.pool.healthy() if h.version < self.version or h.needs_sync]
-        if lagging and not self.syncer.lock.locked() and not self.step_sync.busy:
-            async with self.syncer.lock:
-                log.info("catching up rollouts", rollouts=[h.name for h in lagging], version=self.version)
-                try:
-                    await self.syncer.sync(lagging)
-                except GrpoError as exc:
-                    log.warning("catch-up sync failed", error=str(exc))
+        """One health round (`StepSync.catch_up`) at the run's version."""
+        await self.step_sync.catch_up(self.version)
 
     # ---- control and status ------------------------------------------------------------------------
 
@@ -497,6 +291,8 @@ class Orchestrator:
         self.groups.pause(paused)
 
     def status(self) -> SchedulerStatus:
+        depths = self.groups.queue_depths()
+        depths["scored"] += self.batches.waiting
         return SchedulerStatus(
             learner_version=self.version,
             step=self.step,
@@ -504,19 +300,15 @@ class Orchestrator:
             finished=self.finished,
             max_steps=self.settings.max_steps,
             groups_by_state=self.ledger.counts(),
-            queue_depths={
-                "prompts": self.groups.prompts.qsize(),
-                "reissue": len(self.groups.reissue),
-                "scored": self.groups.scored.qsize() + len(self.recovered),
-            },
+            queue_depths=depths,
             rollouts=[
                 RolloutStatus(h.rollout_id, h.address, h.version, h.in_flight, h.max_in_flight, h.healthy)
                 for h in self.pool.handles()
             ],
-            staleness_mean=self._staleness_total / max(1, self._staleness_groups),
+            staleness_mean=self.batches.staleness_mean,
             logprob_abs_diff_max=self.step_sync.last_alignment,
             error=self.error,
             weight_transport=self.settings.weight_transport.value,
             uptime_seconds=time.monotonic() - self._born,
-            **(self._metrics.status_fields() if self._metrics is not None else {}),
+            **self.report.status_fields(),
         )

@@ -19,7 +19,9 @@ objects. A transport that lands its bytes somewhere another transport can read (
 into a shared-memory segment) hands over a plan of that other kind, so engines have one load path
 per medium.
 
-The scheduler only coordinates (it never looks inside a descriptor); the byte layout, checksums and
+The scheduler only coordinates: it passes the published message on, and reads one thing of a
+descriptor, a collective transfer's own deadlines (nccl's `deadline_seconds`, through
+`kinds.receive_bound_s`), to bound how long a rollout's stage may take. The byte layout, checksums and
 manifest are common to all transports (`services/common/weights.py`).
 """
 

@@ -210,7 +210,7 @@ async def test_the_probe_comes_from_a_rollout_that_answers(tmp_path: Path) -> No
     c = cluster(tmp_path, FakeRollout("r0", alive=True), FakeRollout("r1"))
     await c.orchestrator.pool.refresh_all(0)
     c.rollouts["r0"].alive = False  # healthy at the last poll, dead by the time the probe runs
-    probe = await c.orchestrator.alignment.make(c.env, c.orchestrator.pool)
+    probe = await c.orchestrator.step_sync.alignment.make(c.env, c.orchestrator.pool)
     assert list(probe.completion_token_ids) == [3, 4, 5]
     assert [h.address for h in c.orchestrator.pool.healthy()] == ["r1"]
 
@@ -223,7 +223,7 @@ async def test_the_probe_is_no_longer_than_alignment_probe_tokens(
         tmp_path, FakeRollout("r0"), sampling={"max_tokens": max_tokens}, alignment_probe_tokens=probe_tokens
     )
     await c.orchestrator.pool.refresh_all(0)
-    await c.orchestrator.alignment.make(c.env, c.orchestrator.pool)
+    await c.orchestrator.step_sync.alignment.make(c.env, c.orchestrator.pool)
     ((request_id, sampling),) = c.rollouts["r0"].sampled
     assert request_id.startswith("probe") and (sampling.n, sampling.max_tokens) == (1, asked)
 

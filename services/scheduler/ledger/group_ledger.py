@@ -65,8 +65,11 @@ class GroupLedger:
         self._attempts: dict[str, int] = {}
         self._sink = sink
 
-    def issue(self, prompt_id: str, version: int, position: int = -1, generation: int = 0) -> GroupRecord:
-        """A new group for `prompt_id`; re-issuing a dropped prompt gets a new attempt number."""
+    def issue(
+        self, prompt_id: str, version: int, position: int = -1, generation: int = 0, rollout_id: str = ""
+    ) -> GroupRecord:
+        """A new group for `prompt_id` (sent to `rollout_id`); re-issuing a dropped prompt gets a new
+        attempt number."""
         attempt = self._attempts.get(prompt_id, 0)
         self._attempts[prompt_id] = attempt + 1
         now = time.time()
@@ -76,6 +79,7 @@ class GroupLedger:
             attempt,
             version,
             position,
+            rollout_id=rollout_id,
             generation=generation,
             issued_at=now,
         )

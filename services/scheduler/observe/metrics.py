@@ -72,7 +72,11 @@ class MetricsLog:
         self.last_record: dict[str, Any] = {}  # the newest step row this process wrote
         self._step_times: deque[float] = deque(maxlen=10_000)  # monotonic time of each step row
         self._file = self.path.open("a", encoding="utf-8")
-        self.tracker: Tracker | None = None  # TensorBoard / W&B (tracking.py), set once the run is known
+        self.tracker: Tracker | None = None  # TensorBoard / W&B (tracking.py), once the run is known
+
+    def attach(self, tracker: Tracker) -> None:
+        """From now on every row also goes to `tracker` (opened once the run's id is known)."""
+        self.tracker = tracker
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

@@ -111,6 +111,41 @@ class RolloutPool:
         """Healthy rollouts a sync to `version` must target: not holding it, or flagged `needs_sync`."""
         return [h for h in self.healthy() if h.version != version or h.needs_sync]
 
+    def lagging(self, version: int) -> list[RolloutHandle]:
+        """Healthy rollouts older than `version` or flagged `needs_sync` (what a health round syncs)."""
+        return [h for h in self.healthy() if h.version < version or h.needs_sync]
+
+    def holding(self, version: int) -> list[RolloutHandle]:
+        """Healthy rollouts serving `version`."""
+        return [h for h in self.healthy() if h.version == version]
+
+    # ---- weight syncs (pipeline/weight_sync.py moves the weights; the pool keeps the state) --------
+
+    def begin_sync(self, handles: list[RolloutHandle]) -> None:
+        """`handles` take no new work until `end_sync`."""
+        for handle in handles:
+            handle.syncing = True
+
+    def end_sync(self, handles: list[RolloutHandle]) -> None:
+        for handle in handles:
+            handle.syncing = False
+
+    def committed(self, handles: list[RolloutHandle], version: int) -> None:
+        """`handles` serve `version` now (a flag from an earlier failed sync is cleared)."""
+        for handle in handles:
+            handle.version, handle.needs_sync = version, False
+
+    def hold_for_sync(self, handle: RolloutHandle) -> None:
+        """No work for `handle` until a later sync succeeds (its last stage or commit failed)."""
+        handle.needs_sync = True
+
+    def require_sync_above(self, version: int) -> None:
+        """Every rollout holding weights newer than `version` (of a learner lineage that was lost when
+        the learner came back from an older checkpoint) must go back to the learner's before any work."""
+        for handle in self._by_address.values():
+            if handle.version > version:
+                handle.needs_sync = True
+
     async def refresh(self, handle: RolloutHandle, current_version: int) -> None:
         """Poll one rollout's state; mark it unhealthy if it does not answer in time. A rollout that
         becomes healthy with weights other than `current_version` must be synced before any work."""

@@ -17,7 +17,7 @@ import asyncio
 import operator
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 
 from grpo.common.v1 import types_pb2
@@ -83,6 +83,20 @@ class GroupPipeline:
             max_tokens=s.max_tokens,
         )
 
+    def resume_at(self, cursor: int, reissue: Iterable[Drawn] = ()) -> None:
+        """Continue the train stream at `cursor`, the prompts of `reissue` first (a restart's plan)."""
+        self.cursor = cursor
+        self.reissue.extend(reissue)
+
+    def take_filtered(self) -> int:
+        """Groups filtered (dynamic sampling) since the last call."""
+        filtered, self.filtered = self.filtered, 0
+        return filtered
+
+    def queue_depths(self) -> dict[str, int]:
+        """Prompts fetched ahead, prompts to issue again, scored groups waiting for a batch."""
+        return {"prompts": self.prompts.qsize(), "reissue": len(self.reissue), "scored": self.scored.qsize()}
+
     @property
     def paused(self) -> bool:
         return not self._resumed.is_set()
@@ -132,8 +146,9 @@ class GroupPipeline:
                 cfg.max_staleness,
             )
             position, prompt = await self._next_prompt()
-            record = self.ledger.issue(prompt.id, self._version(), position, self._generation())
-            record.rollout_id = handle.name
+            record = self.ledger.issue(
+                prompt.id, self._version(), position, self._generation(), rollout_id=handle.name
+            )
             if record.attempt == 0:
                 self.store.prompt_issued(position, prompt)
             task = asyncio.create_task(self._run_group(record.group_id, prompt, handle))

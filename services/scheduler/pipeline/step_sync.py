@@ -12,7 +12,8 @@ step as soon as `learner_free` resolves. Measured on the tiny model: the rollout
 
 One job at a time: the trainer `settle`s the previous job before the next sync (and before recovery),
 so syncs never overlap, rows are written in step order, and a misalignment found on version v stops
-the run before v + 1 is synced (the learner will have trained one step past v).
+the run before v + 1 is synced (the learner will have trained one step past v). Between steps, the
+health monitor's rounds (`catch_up`) bring rollouts that (re)joined or fell behind up to the version.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from services.common.errors import GrpoError
+from services.common.logging import get_logger
 from services.scheduler.observe.timeline import SYNC, Timeline
+from services.scheduler.peers.clients import EnvClient
 from services.scheduler.peers.rollouts import RolloutPool
 from services.scheduler.pipeline.alignment import AlignmentProbe
 from services.scheduler.pipeline.weight_sync import SyncResult, WeightSyncer
+
+log = get_logger(__name__)
 
 # A step's remaining work: given `learner_free`, it resolves it (True: the learner may train on) and
 # returns the learner error it met after training (the learner went away), if any.
@@ -45,6 +50,13 @@ class StepSync:
         self.timeline = timeline or Timeline()
         self.last_alignment = 0.0  # max |Δ logprob| of the latest probe
         self.job: asyncio.Task[GrpoError | None] | None = None
+
+    async def first_check(self, env: EnvClient, version: int) -> float:
+        """Before training: make the probe sequence, then check every healthy rollout against the
+        learner at `version`."""
+        await self.alignment.make(env, self.pool)
+        self.last_alignment = await self.alignment.check(self.pool.healthy(), version)
+        return self.last_alignment
 
     async def sync(
         self, version: int, learner_free: asyncio.Future[bool] | None = None
@@ -72,10 +84,23 @@ class StepSync:
         result = await completing if completing else SyncResult.nothing(version)
         if isinstance(learner, BaseException):
             raise learner
-        holding = [h for h in self.pool.healthy() if h.version == version]
+        holding = self.pool.holding(version)
         with self.timeline.timed(SYNC, "probe", version=version, rollouts=len(holding)):
             self.last_alignment = await self.alignment.check(holding, version, learner)
         return result, len(holding)
+
+    async def catch_up(self, version: int) -> None:
+        """One health round: refresh every rollout, then sync the healthy ones behind `version`, unless
+        a sync runs (a step's job syncs every rollout behind the learner anyway)."""
+        await self.pool.refresh_all(version)
+        lagging = self.pool.lagging(version)
+        if lagging and not self.syncer.lock.locked() and not self.busy:
+            async with self.syncer.lock:
+                log.info("catching up rollouts", rollouts=[h.name for h in lagging], version=version)
+                try:
+                    await self.syncer.sync(lagging)
+                except GrpoError as exc:
+                    log.warning("catch-up sync failed", error=str(exc))
 
     @property
     def busy(self) -> bool:

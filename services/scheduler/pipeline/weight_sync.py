@@ -97,8 +97,7 @@ class WeightSyncer:
         started = time.perf_counter()
         receivers = [Receiver(h.rollout_id, h.instance_id, h.weight_workers) for h in targets]
         prepared = await self._learner.prepare(self._kind, receivers)
-        for handle in targets:
-            handle.syncing = True
+        self._pool.begin_sync(targets)
         done = time.perf_counter()
         self._timeline.span(SYNC, "prepare", started, done, version=prepared.version, rollouts=len(targets))
         return PendingSync(targets, prepared, started, done)
@@ -125,8 +124,7 @@ class WeightSyncer:
                 lambda h: h.client.commit(prepared.version, rewind=h.address in rewind),
                 prepared.version,
             )
-            for handle in committed:
-                handle.version, handle.needs_sync = prepared.version, False
+            self._pool.committed(committed, prepared.version)
             timeline, version = self._timeline, prepared.version
             timeline.span(
                 SYNC, "stage", pending.prepared_at, after_stage, version=version, rollouts=len(staged)
@@ -135,8 +133,7 @@ class WeightSyncer:
                 SYNC, "commit", after_stage, time.perf_counter(), version=version, rollouts=len(committed)
             )
         finally:
-            for handle in targets:
-                handle.syncing = False
+            self._pool.end_sync(targets)
             await self._pool.notify()  # rollouts generate on the new version while the learner frees it
             await self._learner.release(prepared.version)
         done = time.perf_counter()
@@ -173,7 +170,7 @@ class WeightSyncer:
         if exc.unreachable:
             await self._pool.mark(handle, healthy=False)
             return
-        handle.needs_sync = True  # no work until a later sync succeeds
+        self._pool.hold_for_sync(handle)
         try:
             await handle.client.abort(version)
         except GrpoError as abort_exc:

@@ -1,10 +1,14 @@
 # grpo-mesh developer entry points. Everything runs from the project virtualenv (.venv), which
 # `make install` creates and keeps in sync with pyproject.toml (scripts/install.sh; a no-op when current).
 #
-#   make demo [MODEL=smollm2] [STEPS=N] [RUN_DIR=runs/x] [ARGS="..."]   end-to-end run on this machine
+#   make demo [MODEL=smollm2] [STEPS=N] [RUN_DIR=runs/x] [ARGS="--secure --resume ..."]
+#                                                        end-to-end run on this machine (grpo-mesh demo)
 #   make test [PYTEST_ARGS="-m 'not slow'"]             the test suite (CI: .ci/run)
 #   make up [PROFILE=gpu|gpu-nccl] [GRPO_MESH_CONFIG=tiny.toml]   the four services in Docker Compose
 #   make compose-test                                   build, run, stop and resume the compose deployment
+#
+# Every other command line is `.venv/bin/grpo-mesh <command>` (`grpo-mesh --help` lists them: serve,
+# status, audit, check-env, prepare, certs); booleans are a bare `--flag` / `--no-flag` everywhere.
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -28,8 +32,8 @@ help: ## List the targets.
 install: ## Create/refresh .venv (idempotent; CPU or GPU build chosen by nvidia-smi).
 	bash scripts/install.sh
 
-demo: install ## Train end to end on this machine (MODEL=smollm2, STEPS=, RUN_DIR=, ARGS=).
-	$(PY) -m services.launch demo $(DEMO_FLAGS)
+demo: install ## Train end to end on this machine (MODEL=smollm2, STEPS=, RUN_DIR=, ARGS="--flag ...").
+	$(VENV)/bin/grpo-mesh demo $(DEMO_FLAGS)
 
 test: install ## Run the test suite; collecting no tests is a failure.
 	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \

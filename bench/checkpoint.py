@@ -3,7 +3,7 @@ same steps without checkpoints, measured in one run.
 
 A `Trainer` (the learner's training object, no service around it) trains `--steps` optimizer steps
 on random completions three times: with no checkpoint directory (the baseline), with a checkpoint
-after every step written inside the step (`--checkpoint.background false`), and with one written by
+after every step written inside the step (`--no-checkpoint.background`), and with one written by
 the background writer (the default: the step only takes host copies). Printed: the median train step
 of each and its ratio to the baseline; for the background mode also how long the write itself took
 (waited for between steps here, so each step starts with the writer idle, as it does when

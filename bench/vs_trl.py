@@ -175,7 +175,7 @@ def run_mesh(args: argparse.Namespace) -> dict:
     command = [
         sys.executable,
         "-m",
-        "services.launch",
+        "services",  # = grpo-mesh demo (services/cli.py)
         "demo",
         "--model",
         str(args.model),
@@ -204,11 +204,11 @@ def run_mesh(args: argparse.Namespace) -> dict:
         "--dtype",
         args.dtype,
     ]
-    command += ["--cpus", args.cpus, "--lend-idle-cores", str(not args.no_lend).lower()]
+    command += ["--cpus", args.cpus, "--no-lend-idle-cores" if args.no_lend else "--lend-idle-cores"]
     # no learner checkpoint inside the run (TRL's side saves none): on the GPU a 0.5B model's full
     # checkpoint stalled a train step by ~7.5 s
     command += ["--checkpoint-every", str(args.steps + 1)]
-    command += ["--trace", str(args.trace).lower()]
+    command += ["--trace" if args.trace else "--no-trace"]
     started = time.perf_counter()
     launcher = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL)
     with TreeCpu(launcher.pid) as cpu:

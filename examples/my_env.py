@@ -2,12 +2,12 @@
 
 1. An `Environment` subclass with its own options (prompt source + scorer):
 
-       python -m services.env check examples/my_env.py:CountLettersEnv --n 8 --env-arg letter=s
+       grpo-mesh check-env examples/my_env.py:CountLettersEnv --n 8 --env-arg letter=s
        python -m services.env --spec examples/my_env.py:CountLettersEnv --env-arg letter=s
 
 2. A TRL-style reward function, added to any environment's reward with a weight:
 
-       python -m services.env check arithmetic --reward-funcs examples/my_env.py:brevity --reward-weights 0.1
+       grpo-mesh check-env arithmetic --reward-funcs examples/my_env.py:brevity --reward-weights 0.1
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class CountLettersEnv(Environment):
         total = sum(len(g.scores) for g in results)
         return {"answered_rate": len(answered) / total if total else 0.0}
 
-    # Optional: what `python -m services.env check` treats as wrong.
+    # Optional: what `grpo-mesh check-env` treats as wrong.
     def wrong_answers(self, prompt: PromptItem) -> list[str]:
         return [str(int(prompt.reference_answer) + 1), "many"]
 

@@ -12,25 +12,42 @@ The file's top-level `[security]` and `[telemetry]` tables apply to every servic
 Unknown fields are rejected from every source (an unknown `GRPO_<SVC>__X` variable too), so a typo
 never passes silently; a missing required field or a bad value on the command line is a one-line
 `error: --field: ...` and exit code 2, like any other CLI mistake.
+
+Every grpo-mesh command line (the services' and the `grpo-mesh` subcommands', services/cli.py) is
+parsed by `parse_cli`: kebab-case flags, nested fields with `.`, and one boolean convention, a bare
+`--flag` or `--no-flag` (`--checkpoint.background` / `--no-checkpoint.background`); `--flag true` is
+refused with a line that says so.
 """
 
 from __future__ import annotations
 
+import argparse
+import inspect
+import itertools
 import os
+import re
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, NoReturn, Self, TypeVar
 
 from pydantic import Field, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from services.common.cpus import CpuList
 from services.common.security import SecuritySettings
 from services.common.telemetry import TelemetrySettings
 
 CONTROL_MESSAGE_BYTES = 16 << 20
+
+S = TypeVar("S", bound=BaseSettings)
 
 
 # Top-level tables of the run-config file that every service reads (under its own table's values).
@@ -97,6 +114,103 @@ def cli_errors(cls: type[BaseSettings], exc: ValidationError, prog: str | None =
             message = f"{message} (got {str(error['input'])[:80]!r})"
         lines.append(f"{prog + ': ' if prog else ''}error: {flag}: {message}")
     return "\n".join(lines)
+
+
+_BOOLEAN_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+
+
+def _takes_no_value(flag: str, value: str) -> str:
+    """`--trace true`: booleans are spelled `--trace` / `--no-trace` (named from either spelling)."""
+    name = flag[len("--no-") :] if flag.startswith("--no-") else flag[2:]
+    return f"{flag}: a boolean flag takes no value (got {value}); write --{name} or --no-{name}"
+
+
+def cli_parse_error(message: str, argv: list[str]) -> str:
+    """argparse's complaint as `--flag: problem` where it names one (without its usage block).
+
+    A boolean given a value (`--trace true`, `--trace=false`) says how booleans are spelled here:
+    every boolean is a bare `--flag` or `--no-flag`."""
+    message = message.removeprefix("error parsing CLI: ")
+    if explicit := re.match(r"argument (--[^\s/:]+)(?:/--[^\s:]+)?: ignored explicit argument (.*)", message):
+        return _takes_no_value(*explicit.groups())
+    if argument := re.match(r"argument (-{1,2}[^\s/:]+)(?:/-{1,2}[^\s:]+)?: (.*)", message):
+        return f"{argument[1]}: {argument[2]}"
+    if message.startswith("unrecognized arguments: "):
+        extra = message.removeprefix("unrecognized arguments: ").split()
+        for word in extra:
+            if word.lower() in _BOOLEAN_WORDS:
+                for before, arg in itertools.pairwise(argv):
+                    if arg == word and before.startswith("--") and before not in extra:  # took no value
+                        return _takes_no_value(before, repr(word))
+        flags = [word for word in extra if word.startswith("-")]
+        if flags:
+            return f"{flags[0]}: no such option (--help lists them)"
+        return f"unexpected argument {extra[0]!r} (--help lists the arguments)"
+    return message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises its complaint (parse_cli prints it as one line) instead of printing usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise SettingsError(f"error parsing CLI: {message}")
+
+
+def parse_cli(cls: type[S], argv: list[str], prog: str | None = None) -> S:
+    """Parse a command line into `cls` the one way every grpo-mesh command does: pydantic-settings'
+    CLI source (`--help` generated from the field descriptions), kebab-case flags, nested fields with
+    `.` (`--optim.lr`), booleans as bare `--flag` / `--no-flag`. A bad command line is one
+    `<prog>: error: --flag: problem` line per problem and SystemExit(2); `--help` exits 0."""
+    parser = _Parser(
+        prog=prog,
+        description=inspect.cleandoc(cls.__doc__ or "") or None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # a flag is spelled out in full, as in the docs
+        add_help=True,
+    )
+    source = CliSettingsSource(
+        cls, root_parser=parser, cli_kebab_case=True, cli_implicit_flags=True, cli_exit_on_error=False
+    )
+    prefix = f"{prog}: " if prog else ""
+    try:
+        return cls(_cli_settings_source=source(args=argv))
+    except ValidationError as exc:
+        print(cli_errors(cls, exc, prog), file=sys.stderr)
+        raise SystemExit(2) from None
+    except SettingsError as exc:  # argparse's complaint, or a value the CLI source could not parse
+        print(f"{prefix}error: {cli_parse_error(str(exc), argv)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def refuse_subcommand(argv: list[str], prog: str | None) -> None:
+    """A service takes only flags: a leading bare word (`python -m services.scheduler audit`) is one
+    of the `grpo-mesh` commands typed after the wrong program; say where they are, exit 2."""
+    if argv and argv[0] and not argv[0].startswith("-"):
+        print(
+            f"{prog + ': ' if prog else ''}error: unexpected argument {argv[0]!r}: this program takes only "
+            "--flags; subcommands are `grpo-mesh <cmd>` (`grpo-mesh --help`, or `python -m services --help`)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
+
+class CommandSettings(BaseSettings):
+    """A grpo-mesh command's options (status, audit, check-env, prepare, certs): read from its command
+    line alone (`parse_cli`), no environment variables and no run-config file, so what runs is what
+    was typed."""
+
+    model_config = SettingsConfigDict(extra="forbid", cli_kebab_case=True, cli_implicit_flags=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)  # plus the command line (parse_cli passes it as an init argument)
 
 
 class ServiceSettings(BaseSettings):
@@ -175,19 +289,11 @@ class ServiceSettings(BaseSettings):
     @classmethod
     def from_cli(cls, argv: list[str] | None = None, prog: str | None = None) -> Self:
         """Parse flags (with --help generated from the field descriptions), env and the run-config file."""
-        from pydantic_settings import CliSettingsSource
-
         argv = sys.argv[1:] if argv is None else argv
+        refuse_subcommand(argv, prog)
         cls._config_path = _config_path_from_argv(argv)
-        cli = CliSettingsSource(cls, cli_prog_name=prog, cli_kebab_case=True, cli_implicit_flags=True)
         try:
-            return cls(_cli_settings_source=cli(args=argv))
-        except ValidationError as exc:
-            print(cli_errors(cls, exc, prog), file=sys.stderr)
-            raise SystemExit(2) from None
-        except SettingsError as exc:  # a value the CLI source could not parse (e.g. bad JSON)
-            print(f"{prog + ': ' if prog else ''}error: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
+            return parse_cli(cls, argv, prog)
         finally:
             cls._config_path = None
 

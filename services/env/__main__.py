@@ -1,4 +1,5 @@
-"""`python -m services.env`: run the Environment service, or `... check ENV_SPEC` (see server.py)."""
+"""`python -m services.env [--flags]`: run the Environment service (server.py; = `grpo-mesh serve env`).
+Checking an environment before training is `grpo-mesh check-env SPEC`."""
 
 from services.env.server import main
 

@@ -19,7 +19,7 @@ form on an unparametrised subclass works too.
 
 Optional hooks: `setup()` (load data, runs in the service), `setup_scorer()` (runs once in each
 scoring worker), `evaluate(results)` (extra eval metrics), `reference_completion`/`wrong_answers`
-(used by `python -m services.env check`), `options_dict()` (what DescribeEnvironment shows).
+(used by `grpo-mesh check-env`), `options_dict()` (what DescribeEnvironment shows).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`python -m services.env check ENV_SPEC`: validate an environment before training.
+"""`grpo-mesh check-env ENV_SPEC [--n 8] [--split eval] [--env-arg k=v ...]`: validate an environment
+before training.
 
 It loads the environment exactly as the service would (same loader, same option validation, same
 cursor, same isolated scoring worker), then:
@@ -24,17 +25,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal, TextIO
 
-from pydantic import Field, ValidationError
-from pydantic_settings import (
-    BaseSettings,
-    CliPositionalArg,
-    CliSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    SettingsError,
-)
+from pydantic import Field
+from pydantic_settings import CliPositionalArg
 
-from services.common.config import cli_errors
+from services.common.config import CommandSettings, parse_cli
 from services.common.errors import FailedPrecondition
 from services.env.base import PromptItem, Score, SplitName
 from services.env.config import EnvRecipeFields
@@ -42,40 +36,24 @@ from services.env.cursor import PromptCursor
 from services.env.loader import EnvLoadError, EnvRecipe, load_environment, load_recipe
 from services.env.scoring import ScoringPool
 
-PROG = "python -m services.env check"
+PROG = "grpo-mesh check-env"
 
 
-class CheckSettings(EnvRecipeFields, BaseSettings):
+class CheckSettings(EnvRecipeFields, CommandSettings):
     """Smoke-test an environment: sample prompts, score reference and wrong answers in a scoring worker.
 
     Exit 0 when every reference scores >= the success threshold and every wrong answer below it,
     1 listing every problem, 2 when the environment cannot be loaded or a flag is invalid.
     """
 
-    model_config = SettingsConfigDict(extra="forbid", cli_kebab_case=True, cli_implicit_flags=True)
-
     spec: CliPositionalArg[str] = Field(description=EnvRecipeFields.model_fields["spec"].description)
     n: int = Field(default=8, ge=1, description="Prompts to sample and check.")
     split: Literal["train", "eval"] = Field(default="train", description="Split to sample from.")
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)  # plus the command line (from_cli): no env vars, no run-config file
 
-    @classmethod
-    def from_cli(cls, argv: list[str]) -> CheckSettings:
-        """Parse the flags (`--help` is generated from the field descriptions)."""
-        cli: CliSettingsSource[CheckSettings] = CliSettingsSource(
-            cls, cli_prog_name=PROG, cli_kebab_case=True, cli_implicit_flags=True
-        )
-        return cls(_cli_settings_source=cli(args=[_short_flag(arg) for arg in argv]))
+def parse(argv: list[str], prog: str = PROG) -> CheckSettings:
+    """The command line (`--help` generated from the field descriptions); SystemExit(2) on a bad one."""
+    return parse_cli(CheckSettings, [_short_flag(arg) for arg in argv], prog)
 
 
 def _short_flag(arg: str) -> str:
@@ -184,15 +162,7 @@ def print_table(report: CheckReport, out: TextIO | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        settings = CheckSettings.from_cli(argv)
-    except ValidationError as exc:
-        print(cli_errors(CheckSettings, exc, PROG), file=sys.stderr)
-        return 2
-    except SettingsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    settings = parse(sys.argv[1:] if argv is None else argv)
     try:
         recipe = settings.recipe()
         report = asyncio.run(run_check(recipe, settings.n, settings.split, settings.score_timeout_seconds))

@@ -1,9 +1,9 @@
-"""Environment settings: the recipe fields shared with `check`, and the service's own.
+"""Environment settings: the recipe fields shared with `check-env`, and the service's own.
 
 `EnvRecipeFields` says which environment and how it is scored (spec, options, reward functions, seed,
 eval size, scoring deadline); it is defined once and used by both `EnvSettings` (the service: `[env]`
 table, `GRPO_ENV__*` env vars, `python -m services.env --help`) and `check.CheckSettings`
-(`python -m services.env check --help`).
+(`grpo-mesh check-env --help`).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ class EnvRecipeFields(BaseModel):
 class EnvSettings(EnvRecipeFields, ServiceSettings):
     """Serve an environment: prompts (SamplePrompts) and isolated scoring (ScoreCompletions).
 
-    Smoke-test an environment before training: python -m services.env check ENV_SPEC [--n 8]
-    [--env-arg k=v ...] (see `python -m services.env check --help`).
+    Smoke-test an environment before training: grpo-mesh check-env ENV_SPEC [--n 8]
+    [--env-arg k=v ...] (see `grpo-mesh check-env --help`).
     """
 
     config_table = "env"

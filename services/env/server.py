@@ -1,7 +1,8 @@
 """Environment service entry point: settings → EnvApp (EnvHost + servicer) → the shared server skeleton.
 
-python -m services.env --port 50051 --spec arithmetic --env-arg digits=3
-python -m services.env check ENV_SPEC [--n 8] [--env-arg k=v ...]     (smoke test, see check.py)
+    python -m services.env --port 50051 --spec arithmetic --env-arg digits=3     (= grpo-mesh serve env)
+
+Smoke-testing an environment before training is `grpo-mesh check-env ENV_SPEC` (check.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import grpc
 from grpo.env.v1 import env_pb2, env_pb2_grpc
 from services.common.serve import run_service, service_names
 from services.common.telemetry import Reading
-from services.env.check import main as check_main
 from services.env.config import EnvSettings
 from services.env.host import EnvHost
 from services.env.loader import EnvLoadError, load_recipe
@@ -61,11 +61,8 @@ class EnvApp:
         return readings
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "check":
-        sys.exit(check_main(argv[1:]))
-    settings = EnvSettings.from_cli(argv, prog="python -m services.env")
+def main(argv: list[str] | None = None, prog: str = "python -m services.env") -> None:
+    settings = EnvSettings.from_cli(argv, prog=prog)
     try:  # fail fast, with the loader's message rather than a traceback, on a bad spec or options
         load_recipe(settings.recipe())
     except EnvLoadError as exc:

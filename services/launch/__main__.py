@@ -1,15 +1,9 @@
-"""Launchers: `python -m services.launch demo [options]` runs the embedded default end to end;
-`python -m services.launch prepare --config RUN_CONFIG` is a deployment's one-shot set-up step."""
+"""`python -m services.launch demo|prepare [options]`: the launchers, kept for existing callers; the
+same commands as `grpo-mesh demo` and `grpo-mesh prepare` (services/cli.py's one table)."""
 
 import sys
 
-COMMANDS = ("demo", "prepare")
+from services.cli import main
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        sys.exit("usage: python -m services.launch {demo,prepare} [--help | options]")
-    if sys.argv[1] == "demo":
-        from services.launch.demo import main
-    else:
-        from services.launch.prepare import main
-    sys.exit(main(sys.argv[2:]))
+    sys.exit(main(sys.argv[1:]))

@@ -1,7 +1,9 @@
 """Throwaway TLS material for one run: a CA, a service certificate, an operator certificate, a token.
 
-`make demo ARGS="--secure true"` (and tests) call `issue(directory)`; everything lands in one
-directory (private keys and the token readable by the owner only):
+`make demo ARGS="--secure"` (and tests) call `issue(directory)`; for services run by hand,
+`grpo-mesh certs DIR [--hosts HOST ...]` does the same and prints the run-config `[security]` table
+that turns it on. Everything lands in one directory (private keys and the token readable by the
+owner only):
 
     ca.pem                 the run's CA (what every client verifies servers with; --cacert)
     service.pem / .key     every service's certificate: serverAuth + clientAuth, since the services
@@ -20,13 +22,19 @@ import datetime as dt
 import ipaddress
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomli_w
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from pydantic import Field
+from pydantic_settings import CliPositionalArg
+
+from services.common.config import CommandSettings, parse_cli
 
 VALID_DAYS = 30
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -156,3 +164,48 @@ def issue(directory: Path, hosts: tuple[str, ...] = DEFAULT_HOSTS) -> RunCredent
     creds.token.chmod(0o600)
     creds.token.write_text(secrets.token_urlsafe(32) + "\n")
     return creds
+
+
+# --- `grpo-mesh certs` ------------------------------------------------------------------------------
+
+PROG = "grpo-mesh certs"
+
+
+class CertsSettings(CommandSettings):
+    """Make a throwaway CA, a service certificate (serverAuth + clientAuth), an operator certificate
+    and a bearer token in DIR, valid for 30 days, for running the services by hand with mutual TLS;
+    prints the run-config [security] table that turns them on. Production brings its own PKI.
+    """
+
+    dir: CliPositionalArg[Path] = Field(description="Where the files go (created; mode 700).")
+    hosts: list[str] = Field(
+        default_factory=list,
+        description="Extra host names or IPs of the service certificate, besides localhost, 127.0.0.1 and "
+        "::1 (e.g. --hosts learner,env,rollout,scheduler).",
+    )
+    overwrite: bool = Field(
+        default=False, description="Replace credentials already in DIR (services using them stop trusting)."
+    )
+
+
+def parse(argv: list[str], prog: str = PROG) -> CertsSettings:
+    """The command line; SystemExit(2) on a bad one."""
+    return parse_cli(CertsSettings, argv, prog)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    directory = args.dir.resolve()
+    if RunCredentials(directory).ca.exists() and not args.overwrite:
+        print(f"{PROG}: error: {directory} holds credentials already (--overwrite)", file=sys.stderr)
+        return 1
+    hosts = tuple(dict.fromkeys([*DEFAULT_HOSTS, *args.hosts]))
+    creds = issue(directory, hosts)
+    print(f"wrote ca.pem, service.pem/.key ({', '.join(hosts)}), operator.pem/.key, token in {directory}")
+    print("\n# the run-config's [security] table (every service; or --security.* flags):")
+    print(tomli_w.dumps({"security": creds.security_table(mutual=True)}), end="")
+    print(
+        f"\n# grpcurl: -cacert {creds.ca} -cert {creds.operator_cert} -key {creds.operator_key} "
+        f'-H "authorization: Bearer $(cat {creds.token})"'
+    )
+    return 0

@@ -8,7 +8,10 @@ everything with SIGTERM (also when the launcher itself gets SIGTERM or Ctrl-C), 
 `metrics.jsonl`, `reward.png` and `summary.json` into the run directory. A new run starts clean
 (previous ledger, checkpoints and metrics of the run directory removed) unless `--resume`.
 
-    python -m services.launch demo --steps 40 --run-dir runs/demo [--model PATH_OR_ID] [--loss dapo]
+    grpo-mesh demo --steps 40 --run-dir runs/demo [--model PATH_OR_ID] [--loss dapo] [--secure] [--resume]
+
+(`make demo` runs it; `python -m services demo` without the console script.) Booleans are bare
+`--flag` / `--no-flag` (`--no-lend-idle-cores`), like every grpo-mesh command line.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tqdm import tqdm
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.advantages import LossKind
 from services.common.clients import GrpcClient
+from services.common.config import parse_cli
 from services.common.cpus import format_cpu_list, split_cores
 from services.common.errors import GrpoError
 from services.common.security import ClientSecurity, SecuritySettings, set_client_security
@@ -53,7 +57,9 @@ def default_model_dir(warm_start_steps: int) -> Path:
 class DemoSettings(BaseSettings):
     """Options of the embedded demo run (also `GRPO_DEMO__*` env vars)."""
 
-    model_config = SettingsConfigDict(env_prefix="GRPO_DEMO__", cli_kebab_case=True, extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="GRPO_DEMO__", cli_kebab_case=True, cli_implicit_flags=True, extra="forbid"
+    )
 
     steps: int = Field(default=400, ge=1, description="Optimizer steps to run.")
     run_dir: Path = Field(
@@ -145,7 +151,8 @@ class DemoSettings(BaseSettings):
     secure: bool = Field(
         default=False,
         description="Mutual TLS and a bearer token on every RPC: a throwaway CA, certificates and token are "
-        "made in <run-dir>/tls/ (grpcurl: -cacert ca.pem -cert operator.pem -key operator.key).",
+        "made in <run-dir>/tls/ (grpcurl: -cacert ca.pem -cert operator.pem -key operator.key; "
+        "`grpo-mesh certs` makes the same for services run by hand).",
     )
     metrics: bool = Field(
         default=True,
@@ -392,12 +399,16 @@ def report(
     return 0
 
 
-def main(argv: list[str]) -> int:
-    from pydantic_settings import CliSettingsSource
+PROG = "grpo-mesh demo"
 
-    source = CliSettingsSource(
-        DemoSettings, cli_prog_name="python -m services.launch demo", cli_kebab_case=True
-    )
-    cfg = pretrained.with_model_preset(DemoSettings(_cli_settings_source=source(args=argv)))
+
+def parse(argv: list[str], prog: str = PROG) -> DemoSettings:
+    """The demo's settings from its command line (and `GRPO_DEMO__*`), with a known model's preset
+    applied under the flags given; SystemExit(2) on a bad command line."""
+    return pretrained.with_model_preset(parse_cli(DemoSettings, argv, prog))
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return asyncio.run(run_demo(cfg))

@@ -1,6 +1,7 @@
-"""`python -m services.launch prepare --config RUN_CONFIG`: the one-shot step a deployment runs before
-the services start (compose's `init` service): builds the project's tiny model where the run-config's
-`[prepare]` table asks for it, so a run needs no model download.
+"""`grpo-mesh prepare --config RUN_CONFIG`: the one-shot step a deployment runs before the services
+start (compose's `init` service runs `python -m services prepare ...`: the image has no console
+script): builds the project's tiny model where the run-config's `[prepare]` table asks for it, so a
+run needs no model download.
 
     [prepare]
     tiny_model = "/data/models/tiny"   # built here unless it already exists (then a no-op)
@@ -12,7 +13,6 @@ services never read the table.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import tomllib
@@ -20,9 +20,22 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.common.config import CommandSettings, parse_cli
 from services.common.logging import configure_logging, get_logger
 
 log = get_logger(__name__)
+PROG = "grpo-mesh prepare"
+
+
+class PrepareCommand(CommandSettings):
+    """Prepare what a run-config's [prepare] table asks for before the services start: build the
+    project's tiny model into `tiny_model` (kept if it is already there), so a run needs no model
+    download. A run-config without a [prepare] table makes this a no-op; the services never read it.
+
+    Exit 0 done (or nothing to do), 2 when the table or the command line is wrong.
+    """
+
+    config: Path = Field(description="The run-config (TOML) whose [prepare] table says what to prepare.")
 
 
 class PrepareSettings(BaseModel):
@@ -57,15 +70,20 @@ def prepare(settings: PrepareSettings) -> Path | None:
     return path
 
 
+def parse(argv: list[str], prog: str = PROG) -> PrepareCommand:
+    """The command line; SystemExit(2) on a bad one (the file is read by `main`)."""
+    return parse_cli(PrepareCommand, argv, prog)
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.launch prepare", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--config", type=Path, required=True, help="run-config (TOML) with a [prepare] table")
-    args = parser.parse_args(argv)
+    args = parse(argv)
     configure_logging(service="prepare")
-    with args.config.open("rb") as handle:
-        table = tomllib.load(handle).get("prepare", {})
+    try:
+        with args.config.open("rb") as handle:
+            table = tomllib.load(handle).get("prepare", {})
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        print(f"{PROG}: error: --config: {exc}", file=sys.stderr)
+        return 2
     try:
         settings = PrepareSettings.model_validate(table)
     except ValidationError as exc:
@@ -74,7 +92,3 @@ def main(argv: list[str]) -> int:
         return 2
     prepare(settings)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

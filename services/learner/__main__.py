@@ -1,4 +1,5 @@
-"""`python -m services.learner`: run the Learner service (see server.py)."""
+"""`python -m services.learner [--flags]`: run the Learner service (server.py); the same as
+`grpo-mesh serve learner`."""
 
 from services.learner.server import main
 

@@ -69,6 +69,6 @@ class LearnerApp:
         return readings
 
 
-def main(argv: list[str] | None = None) -> None:
-    settings = LearnerSettings.from_cli(argv, prog="python -m services.learner")
+def main(argv: list[str] | None = None, prog: str = "python -m services.learner") -> None:
+    settings = LearnerSettings.from_cli(argv, prog=prog)
     run_service("learner", lambda: LearnerApp(settings), settings)

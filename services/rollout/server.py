@@ -79,6 +79,6 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def main(argv: list[str] | None = None) -> None:
-    settings = RolloutSettings.from_cli(argv, prog="python -m services.rollout")
+def main(argv: list[str] | None = None, prog: str = "python -m services.rollout") -> None:
+    settings = RolloutSettings.from_cli(argv, prog=prog)
     run_service("rollout", lambda: RolloutApp(settings, freeze_heap=True), settings)

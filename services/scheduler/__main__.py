@@ -1,17 +1,8 @@
-"""`python -m services.scheduler [--flags]` serves; `... audit RUN_DIR` checks a run's ledger;
-`... status [--address HOST:PORT | --run-dir DIR] [--watch]` shows a running one (status_view.py)."""
+"""`python -m services.scheduler [--flags]`: run the Scheduler service (server.py; = `grpo-mesh serve
+scheduler`). A run's status and its ledger audit are `grpo-mesh status` and `grpo-mesh audit RUN_DIR`;
+a leading bare word here (`audit`) is refused with a line that says so (services/common/config.py)."""
 
-import sys
+from services.scheduler.server import main
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["audit"]:
-        from services.scheduler.ledger.audit import main as audit
-
-        sys.exit(audit(sys.argv[2:]))
-    if sys.argv[1:2] == ["status"]:
-        from services.scheduler.observe.status_view import main as status
-
-        sys.exit(status(sys.argv[2:]))
-    from services.scheduler.server import main
-
     main()

@@ -119,6 +119,6 @@ class SchedulerApp:
         return readings
 
 
-def main(argv: list[str] | None = None) -> None:
-    settings = SchedulerSettings.from_cli(argv, prog="python -m services.scheduler")
+def main(argv: list[str] | None = None, prog: str = "python -m services.scheduler") -> None:
+    settings = SchedulerSettings.from_cli(argv, prog=prog)
     run_service("scheduler", lambda: SchedulerApp(settings), settings)

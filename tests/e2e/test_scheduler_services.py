@@ -130,7 +130,7 @@ async def test_run_status_and_bad_requests(tiny_model_dir: Path, tmp_path: Path)
         assert status.weight_transport == "shared_memory" and status.uptime_seconds > 0
         assert status.reward_mean == rows[-1]["reward_mean"] and status.last_sync.total_ms > 0
         view = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.scheduler", "status", "--address", scheduler.address,
+            sys.executable, "-m", "services", "status", "--address", scheduler.address,
             stdout=asyncio.subprocess.PIPE, env={**os.environ, "COLUMNS": "160"},
         )  # fmt: skip
         shown = (await asyncio.wait_for(view.communicate(), 60))[0].decode()

@@ -1,4 +1,5 @@
-"""`python -m services.env check`: exit 0 on a good env, 1 listing problems, 2 when it cannot load."""
+"""`grpo-mesh check-env`: exit 0 on a good env, 1 listing problems, 2 when it cannot load or the
+command line is wrong."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.env.check import main
+from services.env.check import main, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 LETTER = ["--env-arg", "letter=s"]
@@ -60,10 +61,15 @@ def test_check_flags_are_the_recipe_fields(capsys: pytest.CaptureFixture[str]) -
     assert main([*args, "--score-timeout-seconds", "20"]) == 0
     out = capsys.readouterr().out
     assert "OK: 2 prompts" in out and "1.1" in out  # env reward 1 + 0.1 × brevity 1
-    assert main(["arithmetic", "--n", "0"]) == 2
-    assert "greater than or equal to 1" in capsys.readouterr().err
-    assert main(["arithmetic", "--reward-funcs", "answer_tags", "--reward-weights", "1,2"]) == 2
-    assert "2 reward_weights for 1 reward_funcs" in capsys.readouterr().err
+    for bad, message in (
+        (["--n", "0"], "grpo-mesh check-env: error: --n: Input should be greater than or equal to 1"),
+        (["--reward-funcs", "answer_tags", "--reward-weights", "1,2"], "2 reward_weights for 1 reward_funcs"),
+    ):
+        with pytest.raises(SystemExit) as bad_exit:
+            parse(["arithmetic", *bad])
+        assert bad_exit.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(SystemExit) as help_exit:
         main(["--help"])
     assert help_exit.value.code == 0
@@ -87,13 +93,13 @@ def test_check_eval_split_serves_each_prompt_once(capsys: pytest.CaptureFixture[
     assert "OK: 3 prompts" in out and "the eval split holds 3 prompts" in out
 
 
-def test_check_via_module_entry_point() -> None:
+def test_check_via_the_command_line() -> None:
     result = subprocess.run(
         [
             sys.executable,
             "-m",
-            "services.env",
-            "check",
+            "services",  # = grpo-mesh check-env
+            "check-env",
             "examples/my_env.py:CountLettersEnv",
             "--n",
             "2",

@@ -1,4 +1,4 @@
-"""`python -m services.launch prepare`: compose's one-shot `init` (docker-compose.yml)."""
+"""`grpo-mesh prepare` (`python -m services prepare`): compose's one-shot `init` (docker-compose.yml)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from services.launch.prepare import PrepareSettings, prepare
+from services.launch.prepare import PrepareSettings, parse, prepare
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.launch", *args],
+        [sys.executable, "-m", "services", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -57,8 +57,26 @@ def test_a_bad_table_is_refused_before_anything_is_built(tmp_path: Path) -> None
     config.write_text('[prepare]\ntiny_modle = "/tmp/x"\n')
     done = _run("prepare", "--config", str(config))
     assert done.returncode == 2 and done.stderr.startswith("error: [prepare]") and "tiny_modle" in done.stderr
+    missing = _run("prepare", "--config", str(tmp_path / "absent.toml"))
+    assert missing.returncode == 2 and missing.stderr.startswith("grpo-mesh prepare: error: --config: ")
 
 
-def test_the_launcher_names_its_commands() -> None:
-    done = _run("nonsense")
-    assert done.returncode != 0 and "demo,prepare" in done.stderr
+def test_the_command_line_and_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse(["--config", "x.toml"]).config == Path("x.toml")
+    with pytest.raises(SystemExit) as no_config:
+        parse([])
+    assert no_config.value.code == 2
+    assert capsys.readouterr().err.startswith("grpo-mesh prepare: error: --config: required: The run-config")
+    with pytest.raises(SystemExit) as shown:
+        parse(["--help"])
+    assert shown.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: grpo-mesh prepare")
+    description = text.split("\n\n")[1]  # the whole docstring, not its first line cut mid-sentence
+    assert description.rstrip().endswith(".") and "no model download" in " ".join(description.split())
+
+
+def test_the_old_launcher_forwards_to_the_one_table() -> None:
+    command = [sys.executable, "-m", "services.launch", "nonsense"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "demo" in done.stderr and "prepare" in done.stderr

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, Field, ValidationError
-from pydantic_settings import CliSettingsSource
 
 from services.env.builtins.arithmetic import ArithmeticEnv, ArithmeticOptions
-from services.launch import pretrained
+from services.launch import demo, pretrained
 from services.launch.demo import DemoSettings, run_config
 from services.launch.pretrained import (
     MARKER,
@@ -32,7 +31,6 @@ from services.launch.pretrained import (
     last_integer,
     lookup,
     prepare_model,
-    with_model_preset,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,9 +76,8 @@ def test_apply_preset_validates_and_rejects_unknown_keys() -> None:
 
 
 def demo_settings(*argv: str) -> DemoSettings:
-    """DemoSettings parsed from flags exactly as `python -m services.launch demo` does."""
-    source = CliSettingsSource(DemoSettings, cli_prog_name="demo", cli_kebab_case=True)
-    return with_model_preset(DemoSettings(_cli_settings_source=source(args=list(argv))))
+    """DemoSettings parsed from flags exactly as `grpo-mesh demo` does."""
+    return demo.parse(list(argv))
 
 
 def test_smollm2_preset_through_the_demo_flags() -> None:
@@ -210,7 +207,7 @@ def test_make_passes_model_to_the_demo() -> None:
         text=True,
         check=True,
     ).stdout
-    assert "-m services.launch demo --model smollm2" in out
+    assert ".venv/bin/grpo-mesh demo --model smollm2" in out
 
 
 # --- the atomic cache -----------------------------------------------------------------------------

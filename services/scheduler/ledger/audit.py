@@ -1,4 +1,4 @@
-"""`python -m services.scheduler audit RUN_DIR`: check a run's ledger for exactly-once training.
+"""`grpo-mesh audit RUN_DIR`: check a run's ledger for exactly-once training.
 
 Invariants, from the ledger alone (`store.py`), across any number of restarts:
 
@@ -11,19 +11,34 @@ Invariants, from the ledger alone (`store.py`), across any number of restarts:
 4. every trained group's staleness, the version its batch trained at minus the oldest version that
    produced one of its tokens, is within `max_staleness`, and no token is newer than that version.
 
-Prints a summary and the violations; exits 1 if there is any.
+Prints a summary and the violations; exits 1 if there is any (2: no ledger, or a bad command line).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import Field
+from pydantic_settings import CliPositionalArg
+
+from services.common.config import CommandSettings, parse_cli
 from services.scheduler.ledger.group_ledger import GroupState
 from services.scheduler.ledger.store import Snapshot, TrainingRow, read_ledger
+
+PROG = "grpo-mesh audit"
+
+
+class AuditSettings(CommandSettings):
+    """Check a run's ledger for exactly-once training: each step trained one batch, no group or prompt
+    trained twice or skipped, every trained group within max_staleness.
+
+    Exit 0 OK, 1 listing every violation, 2 when there is no ledger.
+    """
+
+    run_dir: CliPositionalArg[Path] = Field(description="The run directory (holds ledger.sqlite).")
 
 
 @dataclass
@@ -135,12 +150,13 @@ def audit(snapshot: Snapshot) -> AuditReport:
     return report
 
 
+def parse(argv: list[str], prog: str = PROG) -> AuditSettings:
+    """The command line; SystemExit(2) on a bad one."""
+    return parse_cli(AuditSettings, argv, prog)
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.scheduler audit", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("run_dir", type=Path, help="the run directory (holds ledger.sqlite)")
-    args = parser.parse_args(argv)
+    args = parse(argv)
     try:
         snapshot = read_ledger(args.run_dir)
     except FileNotFoundError as exc:

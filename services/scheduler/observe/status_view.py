@@ -1,29 +1,30 @@
-"""`python -m services.scheduler status`: a run at a glance in the terminal, from GetStatus.
+"""`grpo-mesh status`: a run at a glance in the terminal, from GetStatus.
 
-    python -m services.scheduler status                                   # once, $GRPO_SCHEDULER_ADDRESS
-    python -m services.scheduler status --address 127.0.0.1:50050         # once
-    python -m services.scheduler status --run-dir runs/demo --watch       # live, until Ctrl-C
-    python -m services.scheduler status --watch --until-finished          # live, until the run ends
+    grpo-mesh status                                     # once, $GRPO_SCHEDULER_ADDRESS or 127.0.0.1:50050
+    grpo-mesh status --address 127.0.0.1:50050           # once
+    grpo-mesh status --run-dir runs/demo --watch         # live, until Ctrl-C
+    grpo-mesh status --watch --until-finished            # live, until the run ends
 
 One table for the run (state, step/max, learner version, rates, reward, loss, staleness, alignment,
 the last sync's phases, uptime, the error if it failed), one for queues and groups, one for the
 rollouts (version, load, health; a rollout behind the learner is yellow, an unhealthy one red).
 `render` is pure, so tests render it to text. `--run-dir` finds the scheduler through the port file
 the launcher writes (`<run_dir>/scheduler.port`) and, when the run's config (`<run_dir>/run.toml`)
-has a `[security]` table (`make demo ARGS="--secure true"`), dials with its TLS material, the
+has a `[security]` table (`make demo ARGS="--secure"`), dials with its TLS material, the
 operator's client certificate and the token. Exit codes: 0 shown (with --until-finished: the run
-finished), 1 the run failed, 2 the scheduler could not be asked (unreachable, refused, misconfigured).
+finished), 1 the run failed, 2 the scheduler could not be asked (unreachable, refused, misconfigured)
+or the command line is wrong.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
 import tomllib
 from pathlib import Path
 
+from pydantic import Field
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -31,6 +32,7 @@ from rich.text import Text
 
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.clients import GrpcClient
+from services.common.config import CommandSettings, parse_cli
 from services.common.errors import GrpoError
 from services.common.security import ClientSecurity, SecuritySettings
 
@@ -40,6 +42,29 @@ ADDRESS_ENV = "GRPO_SCHEDULER_ADDRESS"
 DEFAULT_ADDRESS = "127.0.0.1:50050"
 
 Status = scheduler_pb2.GetStatusResponse
+PROG = "grpo-mesh status"
+
+
+class StatusSettings(CommandSettings):
+    """A run at a glance, from the scheduler's GetStatus: once, or live with --watch.
+
+    Exit 0 shown (with --until-finished: the run finished), 1 the run failed, 2 the scheduler could
+    not be asked (unreachable, refused, misconfigured).
+    """
+
+    address: str = Field(
+        default="",
+        description=f"host:port of the scheduler (else --run-dir's, ${ADDRESS_ENV}, {DEFAULT_ADDRESS}).",
+    )
+    run_dir: Path | None = Field(
+        default=None, description="A launcher's run dir: its scheduler port file, TLS material and token."
+    )
+    watch: bool = Field(default=False, description="Refresh until Ctrl-C.")
+    until_finished: bool = Field(
+        default=False, description="Watch until the run ends (exit 1 if it failed); implies --watch."
+    )
+    interval: float = Field(default=2.0, gt=0, description="Seconds between refreshes.")
+    timeout: float = Field(default=5.0, gt=0, description="Deadline of each GetStatus, in seconds.")
 
 
 # ---- pure formatting ---------------------------------------------------------------------------
@@ -194,7 +219,7 @@ async def fetch(client: GrpcClient, timeout: float) -> Status:  # noqa: ASYNC109
     return await client.unary("GetStatus", scheduler_pb2.GetStatusRequest(), timeout=timeout)
 
 
-async def _watch(client: GrpcClient, address: str, args: argparse.Namespace, console: Console) -> int:
+async def _watch(client: GrpcClient, address: str, args: StatusSettings, console: Console) -> int:
     """Refresh every --interval until Ctrl-C (the caller's 0) or, with --until-finished, the run's end."""
     last: Status | None = None
     with Live(Text(f"asking {address} ..."), console=console, auto_refresh=False) as live:
@@ -209,7 +234,7 @@ async def _watch(client: GrpcClient, address: str, args: argparse.Namespace, con
             await asyncio.sleep(args.interval)
 
 
-async def _main(args: argparse.Namespace, console: Console) -> int:
+async def _main(args: StatusSettings, console: Console) -> int:
     try:
         address = resolve_address(args.address, args.run_dir)
         client = _client(address, args.run_dir)
@@ -217,7 +242,7 @@ async def _main(args: argparse.Namespace, console: Console) -> int:
         print(f"status: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     try:
-        if args.watch:
+        if args.watch or args.until_finished:
             return await _watch(client, address, args, console)
         try:
             status = await fetch(client, args.timeout)
@@ -231,21 +256,13 @@ async def _main(args: argparse.Namespace, console: Console) -> int:
         await client.close()
 
 
+def parse(argv: list[str], prog: str = PROG) -> StatusSettings:
+    """The command line; SystemExit(2) on a bad one."""
+    return parse_cli(StatusSettings, argv, prog)
+
+
 def main(argv: list[str] | None = None, console: Console | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.scheduler status", description="A run at a glance, from GetStatus."
-    )
-    add = parser.add_argument
-    add("--address", default="", help=f"host:port (else --run-dir's, ${ADDRESS_ENV}, {DEFAULT_ADDRESS})")
-    add("--run-dir", type=Path, default=None, help="a launcher run dir: its scheduler port, TLS and token")
-    add("--watch", action="store_true", help="refresh until Ctrl-C")
-    add("--until-finished", action="store_true", help="watch until the run ends (1 if it failed)")
-    add("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
-    add("--timeout", type=float, default=5.0, help="deadline of each GetStatus (default 5)")
-    args = parser.parse_args(argv)
-    args.watch = args.watch or args.until_finished
-    if args.interval <= 0 or args.timeout <= 0:
-        parser.error("--interval and --timeout must be positive")
+    args = parse(sys.argv[1:] if argv is None else argv)
     try:
         return asyncio.run(_main(args, console or Console()))
     except KeyboardInterrupt:

@@ -84,7 +84,7 @@ def test_the_command_line_exits_nonzero_on_a_violation(tmp_path: Path) -> None:
     good, bad = tmp_path / "good", tmp_path / "bad"
     asyncio.run(_ledger(good, [(0, "step-0")]))
     asyncio.run(_ledger(bad, [(0, "step-0"), (0, "step-7")]))
-    command = [sys.executable, "-m", "services.scheduler", "audit"]
+    command = [sys.executable, "-m", "services", "audit"]  # = grpo-mesh audit
     ok = subprocess.run([*command, str(good)], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "audit: OK" in ok.stdout, ok.stdout + ok.stderr
     broken = subprocess.run([*command, str(bad)], capture_output=True, text=True, timeout=60)

@@ -4,7 +4,7 @@ real scheduler.
 The live tests serve the real `SchedulerApp` (real gRPC server, `SchedulerServicer`, `Orchestrator`,
 ledger) on 127.0.0.1:0 with the in-memory peers of fakes.py in place of the env, learner and
 rollouts, so a whole 3-step run takes milliseconds; the CLI runs as a subprocess
-(`python -m services.scheduler status`). The same view over real model services is checked in
+(`python -m services status`, i.e. `grpo-mesh status`). The same view over real model services is checked in
 tests/e2e/test_scheduler_services.py.
 """
 
@@ -182,7 +182,7 @@ async def scheduler(tmp_path: Path) -> AsyncIterator[RunningServer]:
 
 async def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.scheduler", "status", *args, cwd=REPO,
+        sys.executable, "-m", "services", "status", *args, cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**_env(), **(env or {})},
     )  # fmt: skip
@@ -253,7 +253,7 @@ async def test_watch_shows_unreachable_and_ctrl_c_exits_0() -> None:
     child = (
         "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
         "sys.argv = ['x', 'status', '--address', '127.0.0.1:1', '--watch', '--interval', '0.2']; "
-        "runpy.run_module('services.scheduler', run_name='__main__')"
+        "runpy.run_module('services', run_name='__main__')"
     )
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-c", child, cwd=REPO, stdout=asyncio.subprocess.PIPE,

@@ -167,7 +167,7 @@ class Orchestrator:
         )  # fmt: skip
 
     async def _apply(self, plan: RecoveryPlan, state: LearnerInfo) -> None:
-        self.batches.replay(await self.lineage.apply(plan, state, self.report.log))
+        self.batches.replay(await self.lineage.apply(plan, state, self.report.metrics))
 
     # ---- training --------------------------------------------------------------------------------
 

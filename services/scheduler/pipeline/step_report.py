@@ -43,7 +43,7 @@ class StepReport:
         self._log: MetricsLog | None = None
 
     @property
-    def log(self) -> MetricsLog:
+    def metrics(self) -> MetricsLog:
         assert self._log is not None, "open() the report first"
         return self._log
 
@@ -60,12 +60,12 @@ class StepReport:
         tracker = await asyncio.to_thread(
             Tracker, cfg.run_dir, cfg.tracking, run_name=f"grpo-{run_id}", config=config
         )
-        self.log.attach(tracker)
+        self.metrics.attach(tracker)
 
     async def evaluate_only(self, step: int, version: int) -> None:
         """A row with only the evaluation of `version` (before the first step)."""
         record = {"step": step, "weight_version": version, "eval_only": True}
-        self.log.write(record | await self._evaluator.run(version))
+        self.metrics.write(record | await self._evaluator.run(version))
 
     async def step(
         self,
@@ -99,7 +99,7 @@ class StepReport:
             except GrpoError as exc:  # a peer restarting: skip this evaluation, not the run
                 log.warning("evaluation skipped", error=str(exc))
                 record["eval_error"] = str(exc)
-        self.log.write(record)
+        self.metrics.write(record)
         observe_step(record, planned.staleness)
         log.info(
             "step", step=result.step, reward=round(record["reward_mean"], 4), loss=round(record["loss"], 5),

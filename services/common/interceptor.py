@@ -1,8 +1,9 @@
 """The one server interceptor: what every RPC of every service goes through, in this order.
 
-    token check (UNAUTHENTICATED before anything runs) → decode the body (INVALID_ARGUMENT for
-    bytes that are not the request message) → request id bound to the logs → the servicer →
-    domain exception → status code and a bounded message (errors.status_for) → RPC metrics.
+    token check (UNAUTHENTICATED before anything runs; exactly one `authorization` entry) →
+    decode the body (INVALID_ARGUMENT for bytes that are not the request message) → request id
+    bound to the logs → the servicer → domain exception → status code and a bounded message
+    (errors.status_for) → RPC metrics.
 
 Decoding here rather than in gRPC's own deserializer is what turns a malformed body into a precise
 status: gRPC would answer it with UNKNOWN ("Unexpected DecodeError"), which says nothing to the
@@ -77,14 +78,10 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not (handler.unary_unary or handler.unary_stream):
             return handler  # reflection (stream-stream) and unknown methods: gRPC's own handling
         method = details.method
-        metadata = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
-        denied = None
-        if not self._tokens.allows(method, metadata):
-            given = "no" if "authorization" not in metadata else "a wrong"
-            denied = _Rejected(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{given} bearer token: send metadata 'authorization: Bearer <token>'",
-            )
+        pairs = tuple(details.invocation_metadata or ())
+        metadata = {k: v for k, v in pairs if isinstance(v, str)}
+        refusal = self._tokens.refusal(method, pairs)  # every entry: a repeated key must not hide
+        denied = None if refusal is None else _Rejected(grpc.StatusCode.UNAUTHENTICATED, refusal)
         request_id = (metadata.get(REQUEST_ID) or uuid.uuid4().hex[:12])[:MAX_REQUEST_ID]
         decode = _decoder(handler.request_deserializer)
         observe = self._metrics.observer(method)

@@ -2,8 +2,9 @@
 
 Server side (`server_credentials`, `TokenCheck`): TLS when a certificate is configured, a client
 certificate signed by the CA when `require_client_cert` (mutual TLS), and a bearer token on every
-call of our services when a token is configured (compared in constant time, checked before the
-request is even decoded: an unauthenticated call executes nothing).
+call of our services when a token is configured (exactly one `authorization` entry, compared in
+constant time, checked before the request is even decoded: an unauthenticated call executes nothing).
+The same token (or HTTP basic auth) can guard the Prometheus `/metrics` endpoint (telemetry.py).
 
 Client side (`ClientSecurity`): the same block tells every client this process opens (scheduler →
 services, rollout → learner weight fetches, launcher) how to reach its peers: the CA to verify them
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +161,11 @@ def client_security() -> ClientSecurity:
 
 
 class TokenCheck:
-    """Constant-time bearer-token check of one call's metadata (None token = check off)."""
+    """Constant-time bearer-token check of one call's metadata ("" token = check off).
+
+    A call must carry exactly one `authorization` entry: two (say a wrong token, then the right one)
+    are ambiguous credentials and refused, whichever of them is right, since a proxy or a
+    server that reads the other one would decide differently."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode() if token else None
@@ -168,8 +174,20 @@ class TokenCheck:
     def enabled(self) -> bool:
         return self._expected is not None
 
-    def allows(self, method: str, metadata: dict[str, str]) -> bool:
+    def refusal(self, method: str, metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
+        """None when the call may go on, else why not (the UNAUTHENTICATED message)."""
         if self._expected is None or method.startswith(OPEN_PREFIXES):
-            return True
-        given = metadata.get(AUTHORIZATION, "")
-        return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), self._expected)
+            return None
+        given = [value for key, value in metadata if key.lower() == AUTHORIZATION]
+        if not given:
+            return f"no bearer token: {_SEND}"
+        if len(given) > 1:
+            return f"ambiguous credentials: {len(given)} 'authorization' metadata entries; {_SEND} once"
+        value = given[0]
+        raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
+        if not hmac.compare_digest(raw, self._expected):
+            return f"a wrong bearer token: {_SEND}"
+        return None
+
+
+_SEND = "send metadata 'authorization: Bearer <token>'"

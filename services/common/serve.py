@@ -2,7 +2,8 @@
 
     uvloop → grpc.aio server (explicit message limits, concurrency cap, the one interceptor:
     token check, decoding, error mapping, RPC metrics) → reflection + health → listen, TLS when
-    configured (+ event-loop lag monitor, /metrics) → app.start() (load model, connect peers) →
+    configured (+ event-loop lag monitor, /metrics: 127.0.0.1 under security unless told
+    otherwise, HTTPS and a credential when configured) → app.start() (load model, connect peers) →
     readiness SERVING → wait for SIGTERM/SIGINT → health NOT_SERVING → server.stop(grace) →
     app.stop() (tasks, channels).
 
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,10 +39,11 @@ from services.common.telemetry import (
     LOOP_LAG,
     READY,
     AppCollector,
+    MetricsServer,
     RpcMetrics,
+    check_metrics,
     register_app,
-    serve_metrics,
-    stop_metrics,
+    start_metrics,
     unregister,
 )
 
@@ -85,12 +88,16 @@ class RunningServer:
     port: int
     grace_seconds: float
     loop_lag: LoopLagMonitor
-    metrics_port: int | None = None
+    metrics: MetricsServer | None = None
     collector: AppCollector | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self.metrics is None else self.metrics.port
 
     async def set_ready(self, ready: bool) -> None:
         status = (
@@ -108,7 +115,8 @@ class RunningServer:
         await self.app.stop()
         await self.loop_lag.stop()
         unregister(self.collector)
-        stop_metrics(self.metrics_port)
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.close)
 
 
 async def start_server(app: ServiceApp, settings: ServiceSettings) -> RunningServer:
@@ -136,12 +144,18 @@ async def start_server(app: ServiceApp, settings: ServiceSettings) -> RunningSer
     app.bound_port = port  # before start(): e.g. the learner advertises host:port for weight fetches
     loop_lag = LoopLagMonitor(report_every=settings.loop_lag_report_seconds, observe=LOOP_LAG.observe)
     running = RunningServer(server, health_servicer, app, port, settings.grace_seconds, loop_lag)
+    try:  # off the loop: reads certificate files, binds, resolves the host
+        running.metrics = await asyncio.to_thread(
+            start_metrics, settings.telemetry, settings.security, settings.host
+        )
+    except BaseException:
+        await server.stop(None)  # bound, never started: free the port
+        raise
     await running.set_ready(False)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     loop_lag.start()
-    running.metrics_port = serve_metrics(settings.telemetry, settings.host)
-    if running.metrics_port is not None:
+    if running.metrics is not None:
         running.collector = register_app(app)
     log.info(
         "listening",
@@ -151,6 +165,9 @@ async def start_server(app: ServiceApp, settings: ServiceSettings) -> RunningSer
         mutual_tls=settings.security.require_client_cert,
         token=tokens.enabled,
         metrics_port=running.metrics_port,
+        metrics_host=None if running.metrics is None else running.metrics.host,
+        metrics_tls=running.metrics is not None and running.metrics.tls,
+        metrics_auth=settings.telemetry.metrics_auth,
     )
     started = time.perf_counter()
     try:
@@ -201,6 +218,11 @@ async def serve_until_signalled(app: ServiceApp, settings: ServiceSettings) -> N
 def run_service(name: str, build_app: Callable[[], ServiceApp], settings: ServiceSettings) -> None:
     """Process entry point shared by `python -m services.<svc>`."""
     configure_logging(settings.log_level, service=name)
+    try:  # what cannot be served (an unreadable token file, /metrics TLS without a certificate)
+        check_metrics(settings.telemetry, settings.security)
+    except ValueError as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     if settings.security.token() and not settings.security.tls:
         log.warning("a bearer token without TLS travels in clear text: configure --security.tls-cert")
     set_client_security(ClientSecurity.from_settings(settings.security))  # every channel this process opens

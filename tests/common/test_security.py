@@ -1,9 +1,10 @@
 """TLS, mutual TLS and bearer tokens on real services (in-process servers on 127.0.0.1:0) with the
 run credentials the demo uses (services/launch/certs.py).
 
-A call without the token, or with a wrong one, is UNAUTHENTICATED and executes nothing (the env's
-prompt cursor and the learner's step do not move); health stays open to probes; under mutual TLS a
-client without a certificate from the run's CA, or trusting another CA, never gets a connection.
+A call without the token, with a wrong one, or with two `authorization` entries (ambiguous, even if
+one is right) is UNAUTHENTICATED and executes nothing (the env's prompt cursor and the learner's step
+do not move); health stays open to probes; under mutual TLS a client without a certificate from the
+run's CA, or trusting another CA, never gets a connection.
 """
 
 from __future__ import annotations
@@ -60,12 +61,44 @@ async def _position(address: str, security: ClientSecurity) -> int:
 
 def test_token_check_is_exact_and_leaves_probes_open() -> None:
     check = TokenCheck("s3cret")
-    assert check.allows("/grpo.env.v1.EnvironmentService/SamplePrompts", {"authorization": "Bearer s3cret"})
-    for given in ({}, {"authorization": "Bearer s3cre"}, {"authorization": "s3cret"}, {"authorization": "é"}):
-        assert not check.allows("/grpo.env.v1.EnvironmentService/SamplePrompts", given)
-    assert check.allows("/grpc.health.v1.Health/Check", {})
-    assert check.allows("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", {})
-    assert TokenCheck("").allows("/grpo.x/Y", {}) and not TokenCheck("").enabled
+    method = "/grpo.env.v1.EnvironmentService/SamplePrompts"
+    assert check.refusal(method, [("authorization", "Bearer s3cret")]) is None
+    assert check.refusal(method, [("x-request-id", "r1"), ("authorization", b"Bearer s3cret")]) is None
+    assert "no bearer token" in (check.refusal(method, []) or "")
+    for given in ("Bearer s3cre", "s3cret", "é"):
+        assert "a wrong bearer token" in (check.refusal(method, [("authorization", given)]) or "")
+    for pairs in (
+        [("authorization", "Bearer wrong"), ("authorization", "Bearer s3cret")],
+        [("authorization", "Bearer s3cret"), ("authorization", "Bearer s3cret")],
+    ):
+        assert "ambiguous credentials: 2 'authorization'" in (check.refusal(method, pairs) or "")
+    assert check.refusal("/grpc.health.v1.Health/Check", []) is None
+    assert check.refusal("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", []) is None
+    assert TokenCheck("").refusal("/grpo.x/Y", []) is None and not TokenCheck("").enabled
+
+
+async def test_two_authorization_entries_are_refused(creds: RunCredentials) -> None:
+    """A wrong token and the right one on one call (either order): UNAUTHENTICATED, nothing runs."""
+    running = await _env(SecuritySettings(**creds.security_table(mutual=True)))
+    token = creds.token.read_text().strip()
+    try:
+        async with open_channel(running.address, security=_client(creds, token="")) as channel:
+            stub = env_pb2_grpc.EnvironmentServiceStub(channel)
+            for metadata in (
+                (("authorization", "Bearer wrong"), ("authorization", f"Bearer {token}")),
+                (("authorization", f"Bearer {token}"), ("authorization", "Bearer wrong")),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.SamplePrompts(env_pb2.SamplePromptsRequest(n=2), metadata=metadata, timeout=T)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "ambiguous credentials" in err.value.details()
+            one = (("authorization", f"Bearer {token}"),)
+            state = await stub.GetEnvironmentState(
+                env_pb2.GetEnvironmentStateRequest(), metadata=one, timeout=T
+            )
+        assert state.train_position == 0  # the refused draws moved nothing
+    finally:
+        await running.close()
 
 
 async def test_mutual_tls_and_token_on_the_env(creds: RunCredentials) -> None:

@@ -13,7 +13,9 @@ run's checkpoints from one of another run.
 
 A checkpoint is written into `<dir>/.tmp-step_…-<pid>` and renamed into place, so a crash never
 leaves a half-written `step_*` directory; only the newest `keep` are kept, and a learner starting on
-the directory removes what a dead writer left behind (`remove_stale_tmp`).
+the directory removes what a dead writer left behind (`remove_stale_tmp`). A learner told to go back
+(its run's ledger lost the later steps) removes the checkpoints newer than where it goes
+(`discard_after`) before it loads that one.
 
 Writing takes seconds for a large model (7.5 s for a 0.5B model and its AdamW state on an H200 host),
 so periodic checkpoints go through a `CheckpointWriter`: the train step waits only for `snapshot` (host
@@ -183,6 +185,11 @@ class CheckpointWriter:
         pending, self._pending = self._pending, None
         return pending.result() if pending is not None else None
 
+    def wait_quietly(self) -> None:
+        """Block until the pending write (if any) is done; a failure is only logged (by `_write`)."""
+        with contextlib.suppress(Exception):
+            self.wait()
+
     def close(self) -> None:
         """Finish the pending write (a checkpoint under way is not abandoned) and stop the thread."""
         self._executor.shutdown(wait=True)
@@ -237,6 +244,28 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
+
+
+def step_of(path: Path) -> int:
+    """The step a checkpoint directory `step_XXXXXXXX` holds."""
+    return int(path.name[len(PREFIX) :])
+
+
+def discard_after(root: Path, step: int) -> list[int]:
+    """Remove every complete checkpoint newer than `step` (the run's record lost those steps), newest
+    first; returns their steps. Each is first renamed to a `.tmp-` name of this process (atomic, and
+    synced before anything is deleted), so a crash mid-way leaves no newer checkpoint for a restart
+    to resume from, only leftovers that `remove_stale_tmp` removes."""
+    gone = []
+    for path in reversed(list_checkpoints(root)):
+        if step_of(path) <= step:
+            break
+        doomed = root / f"{TMP_PREFIX}{path.name[len(PREFIX) :]}-discarded-{os.getpid()}"
+        os.rename(path, doomed)
+        _fsync_dir(root)
+        shutil.rmtree(doomed, ignore_errors=True)
+        gone.append(step_of(path))
+    return gone
 
 
 def prune(root: Path, keep: int) -> None:

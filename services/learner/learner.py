@@ -1,19 +1,20 @@
 """The learner: one model, its optimizer steps, and the weight versions it publishes.
 
-Every model operation (load, train step, scoring, weight export + packing, checkpoint snapshot) runs
-on ONE dedicated worker thread (the trainer's writer thread then writes a checkpoint's files): the
-event loop never blocks, and the model is never used by two operations at once. That includes turning
-a request into samples: `train_step` takes a decoder that the thread runs, and `score` builds and
-validates its sequence there, so the O(tokens) conversion and validation of a big batch never stall
-health checks or FetchWeights; and pushing weights (an nccl broadcast), which runs in the same job as
-packing them, so no optimizer step can interleave. Calls queue behind each other in arrival order; a
-second TrainStep while one is queued or running is refused with ResourceExhausted (backpressure
-instead of an unbounded queue).
+Every model operation (load, train step, scoring, weight export + packing, checkpoint snapshot, going
+back to an older checkpoint) runs on ONE dedicated worker thread (the trainer's writer thread then
+writes a checkpoint's files): the event loop never blocks, and the model is never used by two
+operations at once. That includes turning a request into samples: `train_step` takes a decoder that
+the thread runs, and `score` builds and validates its sequence there, so the O(tokens) conversion and
+validation of a big batch never stall health checks or FetchWeights; and pushing weights (an nccl
+broadcast), which runs in the same job as packing them, so no optimizer step can interleave. Calls
+queue behind each other in arrival order; a second TrainStep while one is queued or running is
+refused with ResourceExhausted (backpressure instead of an unbounded queue).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import time
 import uuid
@@ -24,15 +25,17 @@ from functools import partial
 from typing import TypeVar
 
 from services.common import validation as check
-from services.common.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
 from services.common.weights import dtype_name
+from services.learner import checkpoint as ckpt
 from services.learner.batching import Sample, validate_sample
 from services.learner.config import LearnerSettings
 from services.learner.publish import PreparedStore
 from services.learner.trainer import StepOutcome, Trainer
 from services.transports import Prepared, PublishContext, Receiver, TransportKind
 from services.transports import registry as transports
+from services.transports.cuda_ipc_fence import HOLDERS_KEY, Holder
 from services.transports.grpc_stream import chunks
 
 log = get_logger(__name__)
@@ -41,6 +44,14 @@ T = TypeVar("T")
 _ANY_HOST = {"", "0.0.0.0", "::", "[::]"}
 # What a TrainStep decoder returns: the samples to train on and the rewards they came with.
 Decoded = tuple[list[Sample], list[float]]
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    weight_version: int
+    last_batch_id: str
+    previous_step: int
 
 
 @dataclass(frozen=True)
@@ -167,12 +178,74 @@ class Learner:
 
         return await self._run(score)
 
+    async def restore(self, lineage_id: str, max_step: int, min_step: int) -> Restored:
+        """Go back to the newest checkpoint at or before `max_step` (step 0, the model as loaded, when
+        there is none): the run's ledger lost the steps after it. A learner at or before `max_step`
+        changes nothing (a retried call). Refused, with nothing changed, for another lineage or when
+        the checkpoint found is older than `min_step`.
+
+        On the model thread, after whatever is queued there: the checkpoints newer than the one found
+        are removed first (`checkpoint.discard_after`: a learner that dies mid-way restarts from the
+        right one), prepared versions are freed (their numbers will name other weights), and the
+        trainer is rebuilt from that checkpoint; calls meanwhile answer UNAVAILABLE.
+        """
+        if not lineage_id:
+            raise InvalidArgument("lineage_id is required: the lineage the caller's ledger recorded")
+        if max_step < 0 or min_step < 0 or min_step > max_step:
+            raise InvalidArgument(f"bad step range: min_step {min_step}, max_step {max_step}")
+        trainer = self._ready()
+        return await self._run(lambda: self._restore(trainer, lineage_id, max_step, min_step))
+
+    def _restore(self, trainer: Trainer, lineage_id: str, max_step: int, min_step: int) -> Restored:
+        own = trainer.lineage_id or self.run_id
+        if lineage_id != own:
+            raise FailedPrecondition(
+                f"this learner is of lineage {own}, not {lineage_id}: refusing to go back"
+            )
+        previous = trainer.step
+        if previous <= max_step:
+            return Restored(previous, trainer.weight_version, trainer.last_batch_id, previous)
+        root = self.settings.checkpoint.dir
+        if trainer.writer is not None:
+            trainer.writer.wait_quietly()  # a checkpoint under way counts (or is gone) before we look
+        kept = [ckpt.step_of(p) for p in ckpt.list_checkpoints(root)] if root is not None else []
+        target = max((s for s in kept if s <= max_step), default=0)
+        if target < min_step:
+            raise FailedPrecondition(
+                f"no checkpoint at or before step {max_step} and at or after step {min_step} "
+                f"(checkpoints: {kept}): cannot go back"
+            )
+        self.trainer = None  # UNAVAILABLE while the trainer is rebuilt
+        trainer.close()
+        discarded = ckpt.discard_after(root, target) if root is not None else []
+        self.store.close()
+        del trainer
+        gc.collect()
+        settings = self.settings
+        if root is not None:
+            settings = settings.model_copy(
+                update={"checkpoint": settings.checkpoint.model_copy(update={"resume": True})}
+            )
+        try:
+            self.trainer = Trainer(settings)
+        except Exception:
+            log.exception("rebuilding the trainer failed: restart the learner (it resumes where this went)",
+                          step=target, discarded=discarded)  # fmt: skip
+            raise
+        log.warning(
+            "went back to an older checkpoint: the run's ledger lost the steps after it",
+            step=self.trainer.step, was=previous, discarded=discarded,
+        )  # fmt: skip
+        return Restored(self.trainer.step, self.trainer.weight_version, self.trainer.last_batch_id, previous)
+
     # ------------------------------------------------------------------ publishing weights
 
     async def prepare_weights(
-        self, kind: TransportKind, receivers: tuple[Receiver, ...]
+        self, kind: TransportKind, receivers: tuple[Receiver, ...], holders: list[Holder] | None = None
     ) -> tuple[Prepared, float]:
         """The current weights packed by transport `kind` (existing if already prepared) and the ms spent.
+        `holders`: what every rollout the caller vouches for serves (None: it lists none), for the
+        transports that must not overwrite what a rollout may still read (cuda_ipc's fence).
 
         Answers as soon as the version is described; a transport that pushes (a broadcast) then
         publishes it on the model thread in the same job, so no train step can change the weights
@@ -185,6 +258,7 @@ class Learner:
 
         def prepare_and_publish() -> None:
             started = time.perf_counter()
+            self._publish.state[HOLDERS_KEY] = holders  # this request's (prepares run one at a time)
             export = partial(trainer.export, snapshot=not transport.live_state)
             item, fresh = self.store.prepare(
                 trainer.weight_version, transport, export, self._publish, receivers

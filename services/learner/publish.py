@@ -50,7 +50,8 @@ class PreparedStore:
         """`version` packed by `transport` (exported only when new). Returns (item, newly prepared).
 
         Preparing the same version again with the same transport returns the existing one (a retried
-        PrepareWeights); with another transport it is FailedPrecondition until released.
+        PrepareWeights; an item with `described_to`, cuda_ipc's, is told the receivers it now has
+        too); with another transport it is FailedPrecondition until released.
         """
         with self._lock:
             item = self._items.get(version)
@@ -60,6 +61,9 @@ class PreparedStore:
                         f"weight version {version} is already prepared as {item.kind}; "
                         f"release it before preparing {transport.kind}"
                     )
+                described_to = getattr(item, "described_to", None)  # cuda_ipc: its buffer's readers
+                if described_to is not None:
+                    described_to(receivers)
                 return item, False
             if len(self._items) >= self.max_prepared:
                 raise ResourceExhausted(

@@ -17,6 +17,7 @@ from services.learner.batching import Sample
 from services.learner.learner import Decoded, Learner
 from services.transports import Receiver
 from services.transports import registry as transports
+from services.transports.cuda_ipc_fence import Holder
 
 
 def samples_from_batch(batch: types_pb2.TrainBatch) -> Decoded:
@@ -67,8 +68,13 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
 
     async def PrepareWeights(self, request, context) -> learner_pb2.PrepareWeightsResponse:
         receivers = tuple(Receiver(r.rollout_id, r.instance_id, r.workers) for r in request.receivers)
+        holders = None
+        if request.holders_listed:
+            holders = [
+                Holder(h.rollout_id, h.instance_id, h.version, h.owns_weights) for h in request.holders
+            ]
         prepared, prepare_ms = await self.learner.prepare_weights(
-            transports.kind_from_proto(request.transport), receivers
+            transports.kind_from_proto(request.transport), receivers, holders
         )
         return learner_pb2.PrepareWeightsResponse(
             weight_version=transports.describe(prepared), prepare_ms=prepare_ms
@@ -105,3 +111,10 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             lineage_id=s.lineage_id,
             instance_id=s.instance_id,
         )
+
+    async def RestoreCheckpoint(self, request, context) -> learner_pb2.RestoreCheckpointResponse:
+        r = await self.learner.restore(request.lineage_id, request.max_step, request.min_step)
+        return learner_pb2.RestoreCheckpointResponse(
+            step=r.step, weight_version=r.weight_version, last_batch_id=r.last_batch_id,
+            previous_step=r.previous_step,
+        )  # fmt: skip

@@ -287,6 +287,12 @@ class Trainer:
         self._saved_step = self.step
         return None if background else self.writer.wait()
 
+    def close(self) -> None:
+        """Finish a checkpoint under way and stop the writer thread (the trainer is being replaced)."""
+        if self.writer is not None:
+            self.writer.wait_quietly()
+            self.writer.close()
+
     def _resume(self) -> None:
         root = self.settings.checkpoint.dir
         assert root is not None and self.writer is not None  # resume needs a directory (CheckpointConfig)

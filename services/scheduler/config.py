@@ -35,11 +35,17 @@ class RecoverySettings(BaseModel):
     peer_restart_timeout: float = Field(
         default=600.0,
         gt=0,
-        description="Seconds to wait for an unreachable learner or env to answer again (a supervisor "
-        "restarting it) before the run fails; the learner's model load counts against it.",
+        description="Seconds to wait for a learner or env that stopped answering (restarting, paused, "
+        "frozen) to answer again before the run fails; the learner's model load counts against it.",
     )
     retry_interval: float = Field(
-        default=1.0, gt=0, description="Seconds between attempts to reach a peer that went away."
+        default=1.0,
+        gt=0,
+        description="Seconds before the first new attempt to reach a peer that refused the connection "
+        "(doubling per attempt up to retry_max_interval); a call that timed out is made again at once.",
+    )
+    retry_max_interval: float = Field(
+        default=5.0, gt=0, description="The longest back-off between attempts to reach a peer that went away."
     )
     ledger_flush_interval: float = Field(
         default=0.25,

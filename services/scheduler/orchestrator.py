@@ -14,9 +14,11 @@ Every group is tracked in the ledger, and the ledger is durable (`ledger/store.p
 run directory). A group whose rollout dies is dropped and its prompt re-issued, so a dead worker
 costs time, never data; an env or learner that goes away is waited for (a supervisor restarts it); a
 learner that comes back from an older checkpoint is caught up by training the same batches again
-(`ledger/lineage.py`, `ledger/recovery.py`); a restarted scheduler continues from the ledger. The
-peers are the protocols of `peers/clients.py`: this module builds no request message and handles no
-status code (a failure's `retryable` and `unreachable` say everything the policy needs).
+(`ledger/lineage.py`, `ledger/recovery.py`); a restarted scheduler continues from the ledger, and
+a learner ahead of it (the ledger's last writes lost to a power loss) first goes back to a checkpoint
+the ledger accounts for. The peers are the protocols of `peers/clients.py`: this module builds no
+request message and handles no status code (a failure's `retryable` and `unreachable` say everything
+the policy needs).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from services.common.logging import get_logger
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.ledger.group_ledger import GroupLedger
 from services.scheduler.ledger.lineage import Lineage
-from services.scheduler.ledger.recovery import RecoveryPlan
+from services.scheduler.ledger.recovery import RecoveryPlan, check_restored, learner_ahead, ledger_steps
 from services.scheduler.ledger.store import LedgerStore, Snapshot, new_run_id
 from services.scheduler.observe.status import RolloutStatus, SchedulerStatus
 from services.scheduler.observe.timeline import LEARNER, Timeline
@@ -123,6 +125,10 @@ class Orchestrator:
         incarnation's run, bring every rollout to the learner's version, fix the probe sequence."""
         # a peer may still be (re)starting: a restarted scheduler must not fail on a learner loading
         state = await patiently(self.settings.recovery, "learner", self.learner.state)
+        discarded = 0
+        if not snapshot.empty and learner_ahead(snapshot, state):
+            self.lineage.check(snapshot, state)  # another run's ledger: refused before anything goes back
+            discarded, state = state.weight_version, await self._go_back(snapshot, state)
         self.version, self.step = state.weight_version, state.step
         self.lineage.start(state)
         if self.advantage_mode == "auto":
@@ -130,7 +136,7 @@ class Orchestrator:
         resumed = not snapshot.empty
         self.run_id = snapshot.meta.get("run_id") or new_run_id()
         if resumed:
-            await self._resume(snapshot, state)
+            await self._resume(snapshot, state, discarded)
         else:
             cfg = self.settings
             self.store.set_meta(
@@ -151,9 +157,26 @@ class Orchestrator:
         if self.settings.eval_every and not resumed:
             await self.report.evaluate_only(self.step, self.version)
 
-    async def _resume(self, snapshot: Snapshot, state: LearnerInfo) -> None:
+    async def _go_back(self, snapshot: Snapshot, state: LearnerInfo) -> LearnerInfo:
+        """The learner trained steps the ledger lost (a power loss): it goes back to a checkpoint the
+        ledger accounts for (`recovery.py` states the rule) and is checked to be where the ledger is."""
+        target, first = ledger_steps(snapshot), int(snapshot.meta.get("first_step", "0"))
+        lineage = snapshot.meta.get("lineage_id") or state.lineage_id
+        log.warning("the learner is ahead of the ledger (lost ledger writes): sending it back",
+                    learner_step=state.step, ledger_steps=target)  # fmt: skip
+        recovery = self.settings.recovery
+        await patiently(recovery, "learner", partial(self.learner.restore, lineage, target, first))
+        restored = await patiently(recovery, "learner", self.learner.state)
+        check_restored(snapshot, restored)
+        self.store.event(
+            "learner_restore", from_step=state.step, to_step=restored.step, ledger_steps=target,
+            instance=restored.instance_id,
+        )  # fmt: skip
+        return restored
+
+    async def _resume(self, snapshot: Snapshot, state: LearnerInfo, discarded_version: int = 0) -> None:
         """Continue an earlier incarnation's run (ledger/recovery.py says what each part of a plan means)."""
-        plan = self.lineage.resume(snapshot, state)
+        plan = self.lineage.resume(snapshot, state, discarded_version)
         await self._apply(plan, state)
         stored = await self.store.load_scored(plan.requeue)
         self.batches.requeue(stored[gid] for gid in plan.requeue if gid in stored)

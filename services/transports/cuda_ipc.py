@@ -1,10 +1,14 @@
 """`cuda_ipc`: rollouts on the learner's physical GPU attach to the learner's GPU memory.
 
-    learner   two staging buffers on its GPU, allocated and exported ONCE (a CUDA IPC handle each,
-              from `torch.multiprocessing.reductions.reduce_tensor`), double-buffered: version v is
-              packed into buffer v % 2, so the buffer the rollouts read (v - 1) is rewritten only by
-              v + 1, after every rollout committed v (a rollout dropped from a sync copies its weights
-              out first: `RolloutEngine.own_weights`). Checksums are computed on the GPU (wsum64).
+    learner   staging buffers ("slots") on its GPU, each allocated and exported ONCE (a CUDA IPC
+              handle each, from `torch.multiprocessing.reductions.reduce_tensor`). A slot is rewritten
+              only when every rollout that may read it is confirmed off it by the scheduler (it serves
+              another version or copied its weights out: `RolloutEngine.own_weights`), so a rollout
+              that is alive but unreachable keeps reading intact weights: the fence,
+              `cuda_ipc_fence.py`. With every rollout synced each step that is a double buffer (v in
+              the slot of v - 2); an unreachable reader costs a third slot, and past that PrepareWeights
+              is refused (FAILED_PRECONDITION) until it comes back. Checksums are computed on the GPU
+              (wsum64).
     rollout   every engine worker (each its own process) checks the export against its own device
               (by GPU UUID) and the manifest against the export (dtypes, shapes, byte ranges) before
               touching anything, opens each handle ONCE per process (cached), and verifies the
@@ -20,6 +24,7 @@ never pickle. Nothing here runs without CUDA; `check_export` (pure) is tested on
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -45,6 +50,7 @@ from services.transports.base import (
     WeightTransport,
     WorkerContext,
 )
+from services.transports.cuda_ipc_fence import DEFAULT_MAX_SLOTS, HOLDERS_KEY, Holder, SlotFence
 
 log = get_logger(__name__)
 
@@ -118,11 +124,32 @@ def check_export(manifest: weights.Manifest, export: IpcExport, local_uuid: str 
 
 
 class _Exporter:
-    """The learner's two staging buffers and their exports (made once, kept for the process's life)."""
+    """The learner's staging buffers and their exports (each made once, kept for the process's life),
+    and the fence that says which one a version may be packed into (thread-safe: prepare runs on the
+    model thread, release on another)."""
 
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor | None] = [None, None]
-        self.exports: list[IpcExport | None] = [None, None]
+    def __init__(self, max_slots: int = DEFAULT_MAX_SLOTS) -> None:
+        self.fence = SlotFence(max_slots)
+        self.lock = threading.Lock()
+        self.buffers: list[torch.Tensor | None] = [None] * max_slots
+        self.exports: list[IpcExport | None] = [None] * max_slots
+
+    def claim(self, version: int, holders: list[Holder] | None) -> int:
+        """A slot for `version` that no rollout may still read (`SlotFence.choose`)."""
+        with self.lock:
+            return self.fence.choose(version, holders)
+
+    def abandon(self, slot: int) -> None:
+        with self.lock:
+            self.fence.abandon(slot)
+
+    def describe(self, slot: int, receivers: tuple[Receiver, ...]) -> None:
+        with self.lock:
+            self.fence.describe(slot, ((r.rollout_id, r.instance_id) for r in receivers))
+
+    def released(self, slot: int) -> None:
+        with self.lock:
+            self.fence.released(slot)
 
     def buffer(self, slot: int, size: int, device: torch.device) -> tuple[torch.Tensor, IpcExport]:
         current = self.buffers[slot]
@@ -162,14 +189,22 @@ class _Exporter:
 class CudaIpcPrepared(Prepared):
     kind = TransportKind.cuda_ipc
 
-    def __init__(self, version: int, manifest: weights.Manifest, export: IpcExport) -> None:
+    def __init__(
+        self, version: int, manifest: weights.Manifest, export: IpcExport, exporter: _Exporter
+    ) -> None:
         super().__init__(version, manifest)
         self.export = export
+        self._exporter = exporter
 
     def view(self) -> memoryview:
         raise FailedPrecondition(f"weight version {self.version} lives in GPU memory (cuda_ipc)")
 
+    def described_to(self, receivers: tuple[Receiver, ...]) -> None:
+        """A repeated PrepareWeights of this version names these receivers: they may read its slot."""
+        self._exporter.describe(self.export.slot, receivers)
+
     def close(self) -> None:
+        self._exporter.released(self.export.slot)  # no stage of it is under way any more
         torch.cuda.ipc_collect()  # free what consumers released (the staging buffers themselves stay)
 
 
@@ -249,13 +284,18 @@ class CudaIpcTransport(WeightTransport):
         exporter = ctx.state.setdefault("cuda_ipc", _Exporter())
         entries = weights.plan_layout(state)
         total = weights.packed_size(entries)
-        buffer, export = exporter.buffer(version % 2, total, device)
-        weights.pack_range(state, entries, 0, buffer[:total])  # device-to-device copies
-        buckets = weights.checksum_buckets(buffer, total, ctx.bucket_bytes, ChecksumAlgorithm.wsum64)
-        torch.cuda.synchronize(device)  # consumers in other processes read after this returns
-        return CudaIpcPrepared(
-            version, weights.Manifest(tuple(entries), tuple(buckets), total, ChecksumAlgorithm.wsum64), export
-        )
+        slot = exporter.claim(version, ctx.state.get(HOLDERS_KEY))
+        try:
+            buffer, export = exporter.buffer(slot, total, device)
+            weights.pack_range(state, entries, 0, buffer[:total])  # device-to-device copies
+            buckets = weights.checksum_buckets(buffer, total, ctx.bucket_bytes, ChecksumAlgorithm.wsum64)
+            torch.cuda.synchronize(device)  # consumers in other processes read after this returns
+        except BaseException:
+            exporter.abandon(slot)  # never described: free for the next version
+            raise
+        exporter.describe(slot, receivers)  # they may read it from now on
+        manifest = weights.Manifest(tuple(entries), tuple(buckets), total, ChecksumAlgorithm.wsum64)
+        return CudaIpcPrepared(version, manifest, export, exporter)
 
     def write_descriptor(self, prepared: Prepared, message: types_pb2.WeightVersion) -> None:
         assert isinstance(prepared, CudaIpcPrepared)

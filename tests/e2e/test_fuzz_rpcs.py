@@ -331,6 +331,7 @@ SEEDS: dict[str, Message] = {
         transport=types_pb2.WEIGHT_TRANSPORT_KIND_GRPC_STREAM
     ),
     "FetchWeights": learner_pb2.FetchWeightsRequest(version=0),
+    "RestoreCheckpoint": learner_pb2.RestoreCheckpointRequest(lineage_id="not-this-run", max_step=0),
     "learner.ScoreTokens": learner_pb2.ScoreTokensRequest(sequence=SEQUENCE),
     "rollout.ScoreTokens": rollout_pb2.ScoreTokensRequest(sequence=SEQUENCE),
     "Generate": rollout_pb2.GenerateRequest(
@@ -462,7 +463,7 @@ def test_services_still_answer_normally(services: dict[str, str]) -> None:
             scheduler_pb2.GetStatusRequest(), timeout=30
         )
         assert len(status.rollouts) <= 16
-    assert len(RPCS) == 23
+    assert len(RPCS) == 24
 
 
 ROLLOUT_RPCS = [(s, m) for s, m in RPCS if s == "rollout"]

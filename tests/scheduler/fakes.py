@@ -29,6 +29,7 @@ from services.scheduler.peers.clients import (
 )
 from services.scheduler.peers.rollouts import RolloutPool
 from services.transports import Receiver, TransportKind
+from services.transports.cuda_ipc_fence import Holder
 
 
 class FakeEnv:
@@ -88,6 +89,10 @@ class FakeLearner:
         self.prepared: set[int] = set()
         self.released: list[int] = []
         self.receivers: list[tuple[Receiver, ...]] = []  # named to each prepare
+        self.holders: list[tuple[Holder, ...] | None] = []  # vouched for in each prepare
+        self.fail_prepare: list[GrpoError] = []  # raised by the next PrepareWeights calls
+        self.checkpoints: set[int] = set()  # steps `restore` may go back to (besides 0)
+        self.restores: list[tuple[int, int]] = []  # (from step, to step) of each restore
         self._stepped = asyncio.Condition()
 
     async def wait_for_version(self, version: int) -> None:
@@ -133,9 +138,14 @@ class FakeLearner:
             raise Unavailable("learner: connection reset")
         return StepResult(self.version, self.version, {"loss": 0.5})
 
-    async def prepare(self, kind: TransportKind, receivers: Sequence[Receiver] = ()) -> PreparedWeights:
+    async def prepare(
+        self, kind: TransportKind, receivers: Sequence[Receiver] = (), holders: Sequence[Holder] | None = None
+    ) -> PreparedWeights:
         self._check_alive()
+        if self.fail_prepare:
+            raise self.fail_prepare.pop(0)
         self.receivers.append(tuple(receivers))
+        self.holders.append(None if holders is None else tuple(holders))
         self.prepared.add(self.version)
         message = types_pb2.WeightVersion(version=self.version, parent_version=self.version - 1)
         message.shared_memory.segment_name = f"fake_v{self.version}"
@@ -148,6 +158,22 @@ class FakeLearner:
     async def score_tokens(self, sequence: types_pb2.TokenSequence) -> TokenScores:
         self._check_alive()
         return TokenScores([-1.0] * len(sequence.completion_token_ids), self.version)
+
+    async def restore(self, lineage_id: str, max_step: int, min_step: int = 0) -> int:
+        """As the real learner: back to the newest of `checkpoints` at or before `max_step` (step 0
+        when none), refused for another lineage or below `min_step`; recorded in `restores`."""
+        self._check_alive()
+        if lineage_id != "lineage-1":
+            raise FailedPrecondition(f"this learner is of lineage lineage-1, not {lineage_id}")
+        previous = self.version
+        if previous > max_step:
+            target = max((c for c in self.checkpoints if c <= max_step), default=0)
+            if target < min_step:
+                raise FailedPrecondition(f"no checkpoint between steps {min_step} and {max_step}")
+            self.version, self.last_batch_id = target, f"step-{target - 1}" if target else ""
+            self.prepared.clear()
+            self.restores.append((previous, target))
+        return previous
 
     async def close(self) -> None:
         return None
@@ -227,7 +253,7 @@ class FakeRollout:
             raise Aborted(f"weight version {weights.version} is not newer than the loaded {self.version}")
         self.staged = weights.version
 
-    async def commit(self, version: int, rewind: bool = False) -> None:
+    async def commit(self, version: int, rewind: bool = False, deadline_s: float | None = None) -> None:
         self._check_alive()
         if version < self.version and not rewind:
             raise Aborted(f"v{version} is older than the loaded v{self.version}")
@@ -287,7 +313,7 @@ def cluster(
         prompt_buffer=8,
         weight_transport="shared_memory",
         rollout_addresses=[],
-        recovery={"retry_interval": 0.01, "ledger_flush_interval": 0.01},
+        recovery={"retry_interval": 0.01, "retry_max_interval": 0.05, "ledger_flush_interval": 0.01},
     )
     config = SchedulerSettings(**{**base, **settings})
     env, learner = env or FakeEnv(), learner or FakeLearner()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import Aborted, InvalidArgument, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from services.scheduler.ledger.group_ledger import GroupState
 from services.scheduler.pipeline.groups import MAX_ATTEMPTS
 from services.scheduler.pipeline.weight_sync import AlignmentError
@@ -128,7 +128,8 @@ async def test_a_stale_group_is_dropped_and_its_prompt_reissued(tmp_path: Path) 
 
 async def test_a_stage_failure_drops_only_that_rollout_from_the_sync(tmp_path: Path) -> None:
     flaky = FakeRollout("r1", fail_stage=[InvalidArgument("bad manifest")])
-    c = cluster(tmp_path, FakeRollout("r0"), flaky, max_steps=4)
+    # no health rounds: one between the steps (0.01 s apart on a loaded machine) would sync r1 first
+    c = cluster(tmp_path, FakeRollout("r0"), flaky, max_steps=4, health_interval_seconds=3600)
     await c.run()
     rows = _rows(tmp_path)
     assert rows[0]["rollouts_synced"] == 1  # r1 dropped out of the first sync ...
@@ -145,7 +146,9 @@ async def test_a_rollout_caught_up_while_the_learner_trains_is_not_staged_that_v
     # to the learner's NEW version. The step's own sync must then leave r1 alone: staging a version
     # a rollout holds is refused, and over nccl the refusal stalls the whole group's broadcast.
     flaky = FakeRollout("r1", fail_stage=[InvalidArgument("bad manifest")])
-    c = cluster(tmp_path, FakeRollout("r0"), flaky, max_steps=3)
+    # the only health round is the one below: a periodic one between the failed sync and the next
+    # step (0.01 s apart on a loaded machine) would sync r1 to the old version first
+    c = cluster(tmp_path, FakeRollout("r0"), flaky, max_steps=3, health_interval_seconds=3600)
     train_step = c.learner.train_step
 
     async def train_while_a_health_round_runs(batch):
@@ -292,6 +295,11 @@ async def test_prompts_are_fetched_ahead_up_to_the_buffer_and_no_further(tmp_pat
     c = cluster(tmp_path, FakeRollout("r0"), prompt_buffer=5, groups_per_batch=2)
     c.orchestrator.pause(True)  # nothing is consumed: the feeder fills the buffer and stops
     run = asyncio.create_task(c.run())
+    # wait for the feeder (its start depends on the machine's load), then give it time to overfill
+    for _ in range(5000):
+        if c.orchestrator.groups.prompts.qsize() >= 5 - 2:
+            break
+        await asyncio.sleep(0.001)
     for _ in range(20):
         await asyncio.sleep(0.002)
     assert c.orchestrator.groups.prompts.qsize() <= 5 and c.env.cursor <= 5
@@ -299,3 +307,15 @@ async def test_prompts_are_fetched_ahead_up_to_the_buffer_and_no_further(tmp_pat
     c.orchestrator.pause(False)
     await run
     assert c.orchestrator.finished and len(_trained(c)) == 6
+
+
+async def test_a_learner_that_cannot_publish_now_defers_the_sync_not_the_run(tmp_path: Path) -> None:
+    """cuda_ipc's fence refuses PrepareWeights while a cut-off rollout may still read every buffer:
+    training goes on and a later sync brings the rollouts up."""
+    c = cluster(tmp_path, FakeRollout("r0"), max_steps=4, max_staleness=2)
+    c.learner.fail_prepare = [FailedPrecondition("every staging buffer may still be read by rollout-9")]
+    await c.run()
+    assert c.orchestrator.finished and not c.orchestrator.error
+    rows = _rows(tmp_path)
+    assert rows[0]["rollouts_synced"] == 0 and rows[-1]["rollouts_synced"] == 1
+    assert c.rollouts["r0"].commits[-1] == 4

@@ -22,6 +22,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.transports import PublishContext, TransportKind, WorkerContext
 from services.transports import registry as transports
 from services.transports.cuda_ipc import IpcExport, check_export
+from services.transports.cuda_ipc_fence import Holder, SlotFence
 
 IPC = transports.get(TransportKind.cuda_ipc)
 UUID = "GPU-5a1c0de0-0000-4000-8000-000000000001"
@@ -168,3 +169,120 @@ def test_gpu_export_attach_verify_and_zero_copy_views() -> None:
     assert views["b.bias"][0].item() == 42.0
     assert torch.equal(views["b.bias"][1:], state["b.bias"][1:])
     prepared.close()
+
+
+# ---- the learner-side fence (cuda_ipc_fence.py): pure, on CPU
+
+
+def _held(*holders: tuple[str, int] | tuple[str, int, bool]) -> list[Holder]:
+    """(rollout id, version[, owns_weights]), each of instance "i"."""
+    return [Holder(rid, "i", version, *owns) for rid, version, *owns in holders]
+
+
+def _publish(fence: SlotFence, version: int, receivers: list[str], holders: list[Holder]) -> int:
+    """One sync as the learner sees it: choose a slot, describe it, release it after the commit."""
+    slot = fence.choose(version, holders)
+    fence.describe(slot, [(rid, "i") for rid in receivers])
+    fence.released(slot)
+    return slot
+
+
+def test_the_fence_is_a_double_buffer_while_every_rollout_moves_on() -> None:
+    fence = SlotFence()
+    slots = [_publish(fence, 0, ["r0", "r1"], [])]
+    for version in range(1, 6):
+        slots.append(_publish(fence, version, ["r0", "r1"], _held(("r0", version - 1), ("r1", version - 1))))
+    assert slots == [0, 1, 0, 1, 0, 1] and len(fence.slots) == 2
+
+
+def test_a_buffer_an_unreachable_rollout_may_read_is_never_overwritten() -> None:
+    """r1 committed version 1 (zero-copy, slot 1), then the scheduler lost it (a partition). It sent r1
+    nothing since, so it still vouches that r1 serves 1: no later version goes into slot 1 until r1 is
+    vouched for as off it."""
+    fence = SlotFence(max_slots=3)
+    _publish(fence, 0, ["r0", "r1"], [])
+    assert _publish(fence, 1, ["r0", "r1"], _held(("r0", 0), ("r1", 0))) == 1
+    for version, slot in ((2, 0), (3, 2), (4, 0), (5, 2)):  # only r0 is synced; slot 1 stays r1's
+        assert _publish(fence, version, ["r0"], _held(("r0", version - 1), ("r1", 1))) == slot
+    assert fence.slots[1].version == 1 and fence.slots[1].readers == {"r1": "i"}
+    # r1 back and synced to version 5: slot 1 (the oldest version) is free again
+    assert _publish(fence, 6, ["r0", "r1"], _held(("r0", 5), ("r1", 1))) == 0
+    assert _publish(fence, 7, ["r0", "r1"], _held(("r0", 6), ("r1", 6))) == 1
+
+
+def test_a_rollout_lost_mid_sync_fences_both_its_buffers_until_the_last_is_used() -> None:
+    """r1 was lost while staging version 1: it may serve 0 (slot 0) or be reading 1 (slot 1), so the
+    scheduler cannot vouch for it. Version 2 gets a third buffer; version 3 is refused, naming r1."""
+    fence = SlotFence(max_slots=3)
+    _publish(fence, 0, ["r0", "r1"], [])
+    _publish(fence, 1, ["r0", "r1"], _held(("r0", 0), ("r1", 0)))
+    assert _publish(fence, 2, ["r0"], _held(("r0", 1))) == 2
+    with pytest.raises(FailedPrecondition, match=r"slot 0 \(version 0\) may still be read by r1"):
+        fence.choose(3, _held(("r0", 2)))
+    # r1 comes back: restarted (another instance), its mappings are gone
+    assert _publish(fence, 3, ["r0", "r1"], [*_held(("r0", 2)), Holder("r1", "new", 0)]) == 0
+
+
+def test_past_the_last_buffer_prepare_is_refused_naming_the_readers() -> None:
+    fence = SlotFence(max_slots=2)
+    _publish(fence, 0, ["r0", "r1"], [])
+    _publish(fence, 1, ["r0", "r1"], _held(("r0", 0), ("r1", 0)))
+    with pytest.raises(FailedPrecondition, match=r"slot 0 \(version 0\) may still be read by r1"):
+        fence.choose(2, _held(("r0", 1)))  # r1 lost mid-sync: it may be on 0 or on 1
+    # a copied-out reader, or a restarted one (another instance), reads no buffer
+    assert fence.choose(2, [*_held(("r0", 1), ("r1", 1, True))]) == 0
+    fence.released(0)
+    assert fence.choose(3, [*_held(("r0", 2)), Holder("r1", "restarted", 0)]) == 1
+
+
+def test_a_prepared_version_is_never_overwritten_and_a_retry_adds_its_readers() -> None:
+    fence = SlotFence(max_slots=2)
+    first = fence.choose(0, [])
+    fence.describe(first, [("r0", "i")])
+    second = fence.choose(1, _held(("r0", 0)))  # version 0 not released yet: its stage may be under way
+    assert second != first
+    with pytest.raises(FailedPrecondition, match="still prepared"):
+        fence.choose(2, _held(("r0", 0)))
+    fence.released(first)
+    fence.describe(second, [("r1", "i")])  # a repeated PrepareWeights of version 1 named r1 too
+    fence.released(second)
+    assert fence.choose(2, _held(("r0", 1))) == first  # r0 moved off 0; r1 may read slot 1 (unlisted)
+    fence.describe(first, [("r0", "i")])
+    fence.released(first)
+    with pytest.raises(FailedPrecondition, match="may still be read by r1"):
+        fence.choose(3, _held(("r0", 2)))
+
+
+def test_without_listed_holders_the_plain_double_buffer_is_kept() -> None:
+    fence = SlotFence()
+    assert [fence.choose(v, None) for v in (3, 4, 5)] == [1, 0, 1]
+
+
+@pytest.mark.gpu
+def test_gpu_an_unreachable_readers_buffer_keeps_its_bytes() -> None:
+    """The real path: r1 committed version 1 (zero-copy), then was cut off; versions 2..4 go to other
+    buffers and version 1's bytes stay as they were (before the fence, version 3 overwrote them)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from services.transports.cuda_ipc_fence import HOLDERS_KEY
+    from services.transports.kinds import Receiver
+
+    device = torch.device("cuda")
+    ctx = PublishContext("run", 4096, 1 << 20, lambda: "h:1")
+    both = (Receiver("r0", "i", 1), Receiver("r1", "i", 1))
+
+    def prepare(version: int, holders: list[Holder], receivers: tuple[Receiver, ...] = both):
+        ctx.state[HOLDERS_KEY] = holders
+        state = {"w": torch.full((1024,), float(version), device=device)}
+        return IPC.prepare(version, state, ctx, receivers)
+
+    prepare(0, []).close()
+    one = prepare(1, _held(("r0", 0), ("r1", 0)))
+    slot, size = one.export.slot, one.manifest.total_bytes
+    kept = ctx.state["cuda_ipc"].buffers[slot][:size].clone()
+    one.close()
+    for version in (2, 3, 4):  # only r0 is synced; the scheduler still vouches r1 serves 1
+        item = prepare(version, _held(("r0", version - 1), ("r1", 1)), both[:1])
+        assert item.export.slot != slot
+        item.close()
+    assert torch.equal(ctx.state["cuda_ipc"].buffers[slot][:size], kept)

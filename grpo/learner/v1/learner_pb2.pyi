@@ -20,12 +20,28 @@ class TrainStepResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[_types_pb2.StepResult, _Mapping]] = ...) -> None: ...
 
 class PrepareWeightsRequest(_message.Message):
-    __slots__ = ("transport", "receivers")
+    __slots__ = ("transport", "receivers", "holders", "holders_listed")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     RECEIVERS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_LISTED_FIELD_NUMBER: _ClassVar[int]
     transport: _types_pb2.WeightTransportKind
     receivers: _containers.RepeatedCompositeFieldContainer[WeightReceiver]
-    def __init__(self, transport: _Optional[_Union[_types_pb2.WeightTransportKind, str]] = ..., receivers: _Optional[_Iterable[_Union[WeightReceiver, _Mapping]]] = ...) -> None: ...
+    holders: _containers.RepeatedCompositeFieldContainer[WeightHolder]
+    holders_listed: bool
+    def __init__(self, transport: _Optional[_Union[_types_pb2.WeightTransportKind, str]] = ..., receivers: _Optional[_Iterable[_Union[WeightReceiver, _Mapping]]] = ..., holders: _Optional[_Iterable[_Union[WeightHolder, _Mapping]]] = ..., holders_listed: _Optional[bool] = ...) -> None: ...
+
+class WeightHolder(_message.Message):
+    __slots__ = ("rollout_id", "instance_id", "version", "owns_weights")
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNS_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    rollout_id: str
+    instance_id: str
+    version: int
+    owns_weights: bool
+    def __init__(self, rollout_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., version: _Optional[int] = ..., owns_weights: _Optional[bool] = ...) -> None: ...
 
 class WeightReceiver(_message.Message):
     __slots__ = ("rollout_id", "workers", "instance_id")
@@ -110,3 +126,25 @@ class GetLearnerStateResponse(_message.Message):
     lineage_id: str
     instance_id: str
     def __init__(self, weight_version: _Optional[int] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., loss: _Optional[str] = ..., prepared_versions: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., last_batch_id: _Optional[str] = ..., lineage_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class RestoreCheckpointRequest(_message.Message):
+    __slots__ = ("lineage_id", "max_step", "min_step")
+    LINEAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    lineage_id: str
+    max_step: int
+    min_step: int
+    def __init__(self, lineage_id: _Optional[str] = ..., max_step: _Optional[int] = ..., min_step: _Optional[int] = ...) -> None: ...
+
+class RestoreCheckpointResponse(_message.Message):
+    __slots__ = ("step", "weight_version", "last_batch_id", "previous_step")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    weight_version: int
+    last_batch_id: str
+    previous_step: int
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., last_batch_id: _Optional[str] = ..., previous_step: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,11 @@ class LearnerServiceStub:
                 request_serializer=grpo_dot_learner_dot_v1_dot_learner__pb2.GetLearnerStateRequest.SerializeToString,
                 response_deserializer=grpo_dot_learner_dot_v1_dot_learner__pb2.GetLearnerStateResponse.FromString,
                 _registered_method=True)
+        self.RestoreCheckpoint = channel.unary_unary(
+                '/grpo.learner.v1.LearnerService/RestoreCheckpoint',
+                request_serializer=grpo_dot_learner_dot_v1_dot_learner__pb2.RestoreCheckpointRequest.SerializeToString,
+                response_deserializer=grpo_dot_learner_dot_v1_dot_learner__pb2.RestoreCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class LearnerServiceServicer:
@@ -111,6 +116,14 @@ class LearnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RestoreCheckpoint(self, request, context):
+        """Go back to the newest checkpoint at or before a step (the model as loaded when there is none),
+        discarding the newer checkpoints first: the run's ledger lost the steps after it (a power loss).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LearnerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +156,11 @@ def add_LearnerServiceServicer_to_server(servicer, server):
                     servicer.GetLearnerState,
                     request_deserializer=grpo_dot_learner_dot_v1_dot_learner__pb2.GetLearnerStateRequest.FromString,
                     response_serializer=grpo_dot_learner_dot_v1_dot_learner__pb2.GetLearnerStateResponse.SerializeToString,
+            ),
+            'RestoreCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreCheckpoint,
+                    request_deserializer=grpo_dot_learner_dot_v1_dot_learner__pb2.RestoreCheckpointRequest.FromString,
+                    response_serializer=grpo_dot_learner_dot_v1_dot_learner__pb2.RestoreCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +325,33 @@ class LearnerService:
             '/grpo.learner.v1.LearnerService/GetLearnerState',
             grpo_dot_learner_dot_v1_dot_learner__pb2.GetLearnerStateRequest.SerializeToString,
             grpo_dot_learner_dot_v1_dot_learner__pb2.GetLearnerStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo.learner.v1.LearnerService/RestoreCheckpoint',
+            grpo_dot_learner_dot_v1_dot_learner__pb2.RestoreCheckpointRequest.SerializeToString,
+            grpo_dot_learner_dot_v1_dot_learner__pb2.RestoreCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,10 +4,11 @@ batch each step trained, and what a learner that came back from an older checkpo
 Every learner process has an instance id; every run a lineage id, which its checkpoints carry. A
 learner that answers with another instance was restarted: the ledger says what it lacks
 (`recovery.plan_recovery`). One that answers with another lineage belongs to another run
-(`LedgerMismatch`). A learner whose weights are older than what the run had reached starts a new
-lineage generation (a rewind): the batches since its checkpoint are trained again, every rollout
-holding newer weights goes back to the learner's first, and a scored group with a token of a version
-the rewind took back can no longer be trained (`lost`).
+(`LedgerMismatch`); one ahead of the ledger is first told to go back (`recovery.py`). A learner
+whose weights are older than what the run had reached starts a new lineage generation (a rewind):
+the batches since its checkpoint are trained again, every rollout holding newer weights goes back to
+the learner's first, and a scored group with a token of a version the rewind took back can no longer
+be trained (`lost`).
 """
 
 from __future__ import annotations
@@ -40,16 +41,21 @@ class Lineage:
         """The learner this scheduler found at start."""
         self._instance, self._lineage = state.instance_id, state.lineage_id
 
-    def resume(self, snapshot: Snapshot, state: LearnerInfo) -> RecoveryPlan:
-        """Take over an earlier incarnation's ledger: restore its groups, drop the ones in flight (their
-        prompts are issued again) and return the plan (`recovery.py`) for the learner at `state`."""
+    def check(self, snapshot: Snapshot, state: LearnerInfo) -> None:
+        """Refuse a ledger of another lineage than the learner's (before anything is changed)."""
         ledger_lineage = snapshot.meta.get("lineage_id", "")
         if ledger_lineage and state.lineage_id and ledger_lineage != state.lineage_id:
             raise LedgerMismatch(
                 f"{self._store.path} belongs to learner lineage {ledger_lineage}, but the learner reports "
                 f"{state.lineage_id}: point the learner at this run's checkpoints, or use a new run dir"
             )
-        plan = plan_recovery(snapshot, state)
+
+    def resume(self, snapshot: Snapshot, state: LearnerInfo, discarded_version: int = 0) -> RecoveryPlan:
+        """Take over an earlier incarnation's ledger: restore its groups, drop the ones in flight (their
+        prompts are issued again) and return the plan (`recovery.py`) for the learner at `state`
+        (`discarded_version`: the version it went back from, when it was ahead of the ledger)."""
+        self.check(snapshot, state)
+        plan = plan_recovery(snapshot, state, discarded_version)
         self.generation = int(snapshot.meta.get("generation", "0"))
         self._batches = dict(snapshot.batches)
         self._ledger.restore(snapshot.groups)

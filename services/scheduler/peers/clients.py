@@ -21,6 +21,7 @@ from typing import Literal, Protocol
 
 from grpo.common.v1 import types_pb2
 from services.transports import Receiver, TransportKind
+from services.transports.cuda_ipc_fence import Holder
 
 Split = Literal["train", "eval"]
 
@@ -92,7 +93,9 @@ class PreparedWeights:
     version: int
     message: types_pb2.WeightVersion
     prepare_ms: float
-    stage_timeout: float | None = None  # a collective transfer's own bound on staging, if it has one
+    # how long a rollout's stage of it, and then its commit, may take: derived from its bytes (and a
+    # collective transfer's own bound); None: the rollout client's configured transfer deadline
+    transfer_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -132,12 +135,20 @@ class LearnerClient(Protocol):
 
     async def train_step(self, batch: Batch) -> StepResult: ...
 
-    async def prepare(self, kind: TransportKind, receivers: Sequence[Receiver] = ()) -> PreparedWeights:
-        """Publish the current weights; collective transports need every receiving rollout named."""
+    async def prepare(
+        self, kind: TransportKind, receivers: Sequence[Receiver] = (), holders: Sequence[Holder] | None = None
+    ) -> PreparedWeights:
+        """Publish the current weights; collective transports need every receiving rollout named.
+        `holders`: what each rollout whose version is known for certain serves (the cuda_ipc fence:
+        the learner never rewrites a buffer a rollout not listed may still read); None: none listed."""
 
     async def release(self, version: int) -> None: ...
 
     async def score_tokens(self, sequence: types_pb2.TokenSequence) -> TokenScores: ...
+
+    async def restore(self, lineage_id: str, max_step: int, min_step: int = 0) -> int:
+        """Go back to the newest checkpoint at or before `max_step` (the run's ledger lost the steps
+        after it); the step the learner was at before. `state` then says where it is."""
 
     async def close(self) -> None: ...
 
@@ -153,12 +164,13 @@ class RolloutClient(Protocol):
     async def stage(
         self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False
     ) -> None:
-        """Fetch/receive + verify a version; `deadline_s` shortens the configured deadline. `rewind`:
-        accept a version not newer than the loaded one (the learner restarted from an older
-        checkpoint; the loaded weights belong to a lineage that no longer exists)."""
+        """Fetch/receive + verify a version within `deadline_s` (None: the configured transfer deadline
+        for its bytes). `rewind`: accept a version not newer than the loaded one (the learner restarted
+        from an older checkpoint; the loaded weights belong to a lineage that no longer exists)."""
 
-    async def commit(self, version: int, rewind: bool = False) -> None:
-        """Load the staged `version` (`rewind`: even if it is older than the loaded one)."""
+    async def commit(self, version: int, rewind: bool = False, deadline_s: float | None = None) -> None:
+        """Load the staged `version` within `deadline_s` (None: the weight-sync deadline; `rewind`: even
+        if it is older than the loaded one)."""
 
     async def abort(self, version: int) -> None: ...
 

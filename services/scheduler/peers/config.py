@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common.deadlines import TransferDeadline
+
 
 class TimeoutSettings(BaseModel):
     """Deadlines (seconds) of the scheduler's outbound calls."""
@@ -14,7 +16,19 @@ class TimeoutSettings(BaseModel):
     connect: float = Field(default=120.0, description="Waiting for a peer's channel to connect at start.")
     control: float = Field(
         default=30.0,
-        description="Small control RPCs (state, sample prompts, release, abort, probe scoring).",
+        description="Small control RPCs (learner state, sample prompts, release, abort, learner scoring).",
+    )
+    health: float = Field(
+        default=10.0,
+        gt=0,
+        description="A rollout's state poll (health round): one that does not answer in time is taken out "
+        "of work, its groups given to others, until it answers again.",
+    )
+    probe: float = Field(
+        default=5.0,
+        gt=0,
+        description="A rollout's answer to the alignment probe after a sync; one that does not answer in "
+        "time is taken out of work and probed after its next sync.",
     )
     generate: float = Field(
         default=300.0, description="One GenerateBatch stream (its groups, from the call to the last one)."
@@ -23,7 +37,15 @@ class TimeoutSettings(BaseModel):
     train_step: float = Field(default=600.0, description="One learner TrainStep.")
     weight_sync: float = Field(
         default=300.0,
-        description="Each phase of one weight sync: the learner's prepare, a rollout's stage or commit.",
+        description="The learner's prepare of a weight version (packing it for the rollouts); a rollout's "
+        "commit when the version's size is unknown.",
+    )
+    transfer: TransferDeadline = Field(
+        default_factory=lambda: TransferDeadline(floor_s=3.0, min_rate_mb_s=50.0),
+        description="A rollout's stage and its commit of a version of `total_bytes`: floor_s + bytes at "
+        "min_rate_mb_s (a collective transport's own bound when longer). A rollout that misses it is "
+        "dropped from the sync, so a hung one holds training no longer than this; it gets the current "
+        "version before any work when it answers again.",
     )
 
 

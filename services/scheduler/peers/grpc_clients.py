@@ -30,12 +30,22 @@ from services.scheduler.peers.clients import (
 from services.scheduler.peers.config import GenerateBatchSettings, TimeoutSettings
 from services.scheduler.peers.grpc_generate import GenerateBatcher
 from services.transports import Receiver, TransportKind
+from services.transports.cuda_ipc_fence import Holder
 from services.transports.kinds import kind_to_proto, receive_bound_s
 
 _SPLITS = {"train": env_pb2.SPLIT_TRAIN, "eval": env_pb2.SPLIT_EVAL}
 _READY = (rollout_pb2.ROLLOUT_STATUS_READY, rollout_pb2.ROLLOUT_STATUS_UPDATING)
 
 StubT = TypeVar("StubT")
+
+
+def transfer_timeout(timeouts: TimeoutSettings, message: types_pb2.WeightVersion) -> float:
+    """How long a rollout's stage of `message`, and then its commit, may take: the configured transfer
+    deadline for its bytes, or a collective transport's own bound (plus slack for the RPCs) when that
+    is longer."""
+    bound = timeouts.transfer.for_bytes(message.total_bytes)
+    collective = receive_bound_s(message)
+    return bound if collective is None else max(bound, collective + 10.0)
 
 
 class _PeerClient(GrpcClient[StubT]):
@@ -112,7 +122,9 @@ class GrpcLearnerClient(_PeerClient[learner_pb2_grpc.LearnerServiceStub]):
         result = (await self.unary("TrainStep", request, self._timeouts.train_step)).result
         return StepResult(result.step, result.weight_version, dict(result.metrics))
 
-    async def prepare(self, kind: TransportKind, receivers: Sequence[Receiver] = ()) -> PreparedWeights:
+    async def prepare(
+        self, kind: TransportKind, receivers: Sequence[Receiver] = (), holders: Sequence[Holder] | None = None
+    ) -> PreparedWeights:
         request = learner_pb2.PrepareWeightsRequest(
             transport=kind_to_proto(kind),
             receivers=[
@@ -121,11 +133,18 @@ class GrpcLearnerClient(_PeerClient[learner_pb2_grpc.LearnerServiceStub]):
                 )
                 for r in receivers
             ],
-        )
+            holders=[
+                learner_pb2.WeightHolder(
+                    rollout_id=h.rollout_id, instance_id=h.instance_id, version=h.version,
+                    owns_weights=h.owns_weights,
+                )
+                for h in holders or ()
+            ],
+            holders_listed=holders is not None,
+        )  # fmt: skip
         response = await self.unary("PrepareWeights", request, self._timeouts.weight_sync)
         wv = response.weight_version
-        bound = receive_bound_s(wv)  # a collective transfer's own deadlines, plus slack for the RPCs
-        return PreparedWeights(wv.version, wv, response.prepare_ms, None if bound is None else bound + 10.0)
+        return PreparedWeights(wv.version, wv, response.prepare_ms, transfer_timeout(self._timeouts, wv))
 
     async def release(self, version: int) -> None:
         request = learner_pb2.ReleaseWeightsRequest(version=version)
@@ -135,6 +154,14 @@ class GrpcLearnerClient(_PeerClient[learner_pb2_grpc.LearnerServiceStub]):
         request = learner_pb2.ScoreTokensRequest(sequence=sequence)
         response = await self.unary("ScoreTokens", request, self._timeouts.control)
         return TokenScores(list(response.logprobs), response.weight_version)
+
+    async def restore(self, lineage_id: str, max_step: int, min_step: int = 0) -> int:
+        request = learner_pb2.RestoreCheckpointRequest(
+            lineage_id=lineage_id, max_step=max_step, min_step=min_step
+        )
+        # the learner reloads its model from a checkpoint: as long as a train step may take
+        response = await self.unary("RestoreCheckpoint", request, self._timeouts.train_step)
+        return response.previous_step
 
 
 class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
@@ -149,7 +176,7 @@ class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
 
     async def state(self) -> RolloutInfo:
         request = rollout_pb2.GetRolloutStateRequest()
-        s = await self.unary("GetRolloutState", request, self._timeouts.control)
+        s = await self.unary("GetRolloutState", request, self._timeouts.health)
         return RolloutInfo(
             s.rollout_id or self.address,
             s.weight_version,
@@ -173,14 +200,13 @@ class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
         self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False
     ) -> None:
         request = rollout_pb2.StageWeightsRequest(weight_version=weights, rewind=rewind)
-        deadline = (
-            self._timeouts.weight_sync if deadline_s is None else min(deadline_s, self._timeouts.weight_sync)
-        )
+        deadline = transfer_timeout(self._timeouts, weights) if deadline_s is None else deadline_s
         await self.unary("StageWeights", request, deadline)
 
-    async def commit(self, version: int, rewind: bool = False) -> None:
+    async def commit(self, version: int, rewind: bool = False, deadline_s: float | None = None) -> None:
         request = rollout_pb2.CommitWeightsRequest(version=version, rewind=rewind)
-        await self.unary("CommitWeights", request, self._timeouts.weight_sync)
+        deadline = self._timeouts.weight_sync if deadline_s is None else deadline_s
+        await self.unary("CommitWeights", request, deadline)
 
     async def abort(self, version: int) -> None:
         await self.unary(
@@ -189,7 +215,7 @@ class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
 
     async def score_tokens(self, sequence: types_pb2.TokenSequence) -> TokenScores:
         request = rollout_pb2.ScoreTokensRequest(sequence=sequence)
-        response = await self.unary("ScoreTokens", request, self._timeouts.control)
+        response = await self.unary("ScoreTokens", request, self._timeouts.probe)
         return TokenScores(list(response.logprobs), response.weight_version)
 
     async def close(self) -> None:

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from services.common.errors import GrpoError, ResourceExhausted
+from services.common.errors import GrpoError, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
 from services.scheduler.peers.clients import RolloutClient
 from services.scheduler.peers.placement import RolloutSlot, choose_rollout
+from services.transports.cuda_ipc_fence import Holder
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -40,6 +43,11 @@ class RolloutHandle:
     instance_id: str = ""
     registered: bool = False  # joined with RegisterWorker (forgotten when unreachable too long)
     unreachable_since: float | None = field(default_factory=time.monotonic)  # None while healthy
+    # its `version` is what it serves for certain: false from a stage or commit it did not answer
+    # (it may have loaded the version or not) until its state is read again
+    version_known: bool = True
+    # generation calls in flight on it: cancelled when it is taken out of work (`RolloutPool.mark`)
+    generating: set[asyncio.Future] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -52,6 +60,24 @@ class RolloutHandle:
 
     def slot(self) -> RolloutSlot:
         return RolloutSlot(self.name, self.in_flight, self.max_in_flight, self.version, self.usable)
+
+
+async def abandonable(handle: RolloutHandle, call: Awaitable[T]) -> T:
+    """`call` on `handle`, given up (Unavailable) when the pool takes the rollout out of work meanwhile
+    (`RolloutPool.mark`): the group is re-issued to another rollout."""
+    future = asyncio.ensure_future(call)
+    handle.generating.add(future)
+    try:
+        return await future
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if not future.cancelled() or (current is not None and current.cancelling()):
+            raise  # this task itself is being cancelled
+        raise Unavailable(f"rollout {handle.name} stopped answering: group given up") from None
+    finally:
+        handle.generating.discard(future)
+        if not future.done():
+            future.cancel()
 
 
 class RolloutPool:
@@ -135,6 +161,21 @@ class RolloutPool:
         for handle in handles:
             handle.version, handle.needs_sync = version, False
 
+    def holders(self) -> list[Holder]:
+        """What every rollout whose version is known for certain serves (healthy, or unreachable with
+        nothing sent to it since its last acknowledged commit): the cuda_ipc fence's `holders`."""
+        return [
+            Holder(h.rollout_id, h.instance_id, h.version)
+            for h in self._by_address.values()
+            if h.version_known and h.rollout_id and h.version >= 0
+        ]
+
+    async def lost_mid_sync(self, handle: RolloutHandle) -> None:
+        """`handle` did not answer a stage or commit: out of work, and its version uncertain until
+        its state is read again."""
+        handle.version_known = False
+        await self.mark(handle, healthy=False)
+
     def hold_for_sync(self, handle: RolloutHandle) -> None:
         """No work for `handle` until a later sync succeeds (its last stage or commit failed)."""
         handle.needs_sync = True
@@ -157,7 +198,7 @@ class RolloutPool:
             await self.mark(handle, healthy=False)
             return
         handle.rollout_id = info.rollout_id
-        handle.version = info.weight_version
+        handle.version, handle.version_known = info.weight_version, True
         handle.max_in_flight = max(1, info.max_in_flight)
         handle.weight_workers, handle.instance_id = info.weight_workers, info.instance_id
         if info.ready and not handle.healthy:
@@ -185,12 +226,19 @@ class RolloutPool:
             await asyncio.sleep(poll_s)
 
     async def mark(self, handle: RolloutHandle, *, healthy: bool) -> None:
+        """Set `handle`'s health. One taken out of work (it did not answer: dead, frozen or cut off)
+        gives up its generation calls in flight: their groups go to other rollouts now, not when its
+        call's deadline passes (a frozen rollout holds its groups, and with them the staleness
+        budget of admission, for as long as it is frozen)."""
         async with self.changed:
             handle.healthy = healthy
             if healthy:
                 handle.unreachable_since = None
-            elif handle.unreachable_since is None:
-                handle.unreachable_since = time.monotonic()
+            else:
+                if handle.unreachable_since is None:
+                    handle.unreachable_since = time.monotonic()
+                for call in handle.generating:
+                    call.cancel()
             self.changed.notify_all()
 
     async def acquire(self, train_version: Callable[[], int], max_staleness: int) -> RolloutHandle:

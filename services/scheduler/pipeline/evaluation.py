@@ -10,12 +10,14 @@ warning says so and `eval/num_prompts` carries the real count.
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 from grpo.common.v1 import types_pb2
 from services.common.logging import get_logger
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.peers.clients import EnvClient, Sampling
-from services.scheduler.peers.rollouts import RolloutPool
+from services.scheduler.peers.patience import patiently
+from services.scheduler.peers.rollouts import RolloutPool, abandonable
 
 log = get_logger(__name__)
 
@@ -29,7 +31,9 @@ class Evaluator:
 
     async def run(self, version: int) -> dict[str, float]:
         cfg = self._settings
-        prompts = await self._env.sample(cfg.eval_prompts, "eval", start=0)
+        prompts = await patiently(
+            cfg.recovery, "env", partial(self._env.sample, cfg.eval_prompts, "eval", start=0)
+        )
         if len(prompts) < cfg.eval_prompts and not self._warned:
             self._warned = True
             log.warning(
@@ -43,7 +47,7 @@ class Evaluator:
         groups = await asyncio.gather(
             *(self._generate(i, p, sampling, version) for i, p in enumerate(prompts))
         )
-        metrics = await self._env.evaluate(groups)
+        metrics = await patiently(cfg.recovery, "env", partial(self._env.evaluate, groups))
         metrics["eval/prompts_requested"] = float(cfg.eval_prompts)
         return metrics
 
@@ -52,6 +56,7 @@ class Evaluator:
     ) -> tuple[types_pb2.Prompt, list[types_pb2.Completion]]:
         handle = await self._pool.acquire(lambda: version, 0)
         try:
-            return prompt, await handle.client.generate(f"eval-v{version}-{index}", prompt, sampling)
+            call = handle.client.generate(f"eval-v{version}-{index}", prompt, sampling)
+            return prompt, await abandonable(handle, call)
         finally:
             await self._pool.release(handle)

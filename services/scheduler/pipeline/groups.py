@@ -30,7 +30,7 @@ from services.scheduler.observe.metrics import TokenRate
 from services.scheduler.observe.timeline import SCORE, Timeline
 from services.scheduler.peers.clients import EnvClient, Sampling, ScoredGroup
 from services.scheduler.peers.patience import patiently
-from services.scheduler.peers.rollouts import RolloutHandle, RolloutPool
+from services.scheduler.peers.rollouts import RolloutHandle, RolloutPool, abandonable
 from services.scheduler.pipeline.policy import expected_train_version
 
 log = get_logger(__name__)
@@ -207,7 +207,9 @@ class GroupPipeline:
     ) -> tuple[list[types_pb2.Completion], set[int], int]:
         """The group in index order, checked (indices 0..G-1, tokens stamped with weight versions), with
         the versions that produced it and its completion-token count: read once, here."""
-        completions = sorted(await handle.client.generate(group_id, prompt, self.sampling), key=_BY_INDEX)
+        completions = sorted(
+            await abandonable(handle, handle.client.generate(group_id, prompt, self.sampling)), key=_BY_INDEX
+        )
         versions: set[int] = set()
         tokens = 0
         complete = len(completions) == self.settings.group_size

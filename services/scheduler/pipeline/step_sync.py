@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from services.common.errors import GrpoError
+from services.common.errors import FailedPrecondition, GrpoError
 from services.common.logging import get_logger
 from services.scheduler.observe.timeline import SYNC, Timeline
 from services.scheduler.peers.clients import EnvClient
@@ -72,6 +72,13 @@ class StepSync:
         scoring = asyncio.create_task(self.alignment.score_learner())
         try:
             pending = await self.syncer.prepare(behind) if behind else None
+        except FailedPrecondition as exc:
+            # the learner cannot publish now (cuda_ipc: every buffer may still be read by a rollout
+            # cut off from us): training goes on; the next step's sync or a health round tries again
+            log.warning(
+                "weight sync deferred: the learner cannot publish now", version=version, error=str(exc)
+            )
+            pending = None
         except BaseException:
             scoring.cancel()
             raise

@@ -9,8 +9,11 @@
 `prepare` and `complete` are separate calls so that the scheduler can let the learner train its next
 step while the rollouts stage, commit and answer the probe (`step_sync.py`).
 
-A rollout that fails to stage or commit is dropped from this sync, so one dead worker never stalls
-training: an unreachable one is marked unhealthy (the health monitor brings it back when it answers);
+A rollout that fails to stage or commit is dropped from this sync, so one dead or hung worker never
+stalls training: each stage and commit has a deadline derived from the version's bytes
+(`PreparedWeights.transfer_timeout`), and an unreachable one (down, or silent past that deadline) is
+marked unhealthy, which also gives its groups in flight to the others (the health monitor brings it
+back when it answers);
 a reachable one is told to abort and waits for its next sync without work (`needs_sync`), which the
 health monitor's next round retries. With a collective transport (nccl) one member's failure fails
 the version for every member; the retry builds a new group of those still there.
@@ -96,7 +99,7 @@ class WeightSyncer:
         (or, for a broadcast, pushed on the learner's model thread ahead of any later step)."""
         started = time.perf_counter()
         receivers = [Receiver(h.rollout_id, h.instance_id, h.weight_workers) for h in targets]
-        prepared = await self._learner.prepare(self._kind, receivers)
+        prepared = await self._learner.prepare(self._kind, receivers, self._pool.holders())
         self._pool.begin_sync(targets)
         done = time.perf_counter()
         self._timeline.span(SYNC, "prepare", started, done, version=prepared.version, rollouts=len(targets))
@@ -113,7 +116,7 @@ class WeightSyncer:
                 targets,
                 "stage",
                 lambda h: h.client.stage(
-                    prepared.message, prepared.stage_timeout, rewind=h.address in rewind
+                    prepared.message, prepared.transfer_timeout, rewind=h.address in rewind
                 ),
                 prepared.version,
             )
@@ -121,7 +124,9 @@ class WeightSyncer:
             committed = await self._phase(
                 staged,
                 "commit",
-                lambda h: h.client.commit(prepared.version, rewind=h.address in rewind),
+                lambda h: h.client.commit(
+                    prepared.version, rewind=h.address in rewind, deadline_s=prepared.transfer_timeout
+                ),
                 prepared.version,
             )
             self._pool.committed(committed, prepared.version)
@@ -168,7 +173,7 @@ class WeightSyncer:
     async def _drop(self, handle: RolloutHandle, version: int, phase: str, exc: GrpoError) -> None:
         log.warning("weight sync failed on rollout", rollout=handle.name, phase=phase, error=str(exc))
         if exc.unreachable:
-            await self._pool.mark(handle, healthy=False)
+            await self._pool.lost_mid_sync(handle)
             return
         self._pool.hold_for_sync(handle)
         try:

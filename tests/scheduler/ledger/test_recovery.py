@@ -8,7 +8,15 @@ import pytest
 
 from grpo.common.v1 import types_pb2
 from services.scheduler.ledger.group_ledger import GroupLedger, GroupState
-from services.scheduler.ledger.recovery import IN_FLIGHT, LOST_LINEAGE, LedgerMismatch, plan_recovery
+from services.scheduler.ledger.recovery import (
+    IN_FLIGHT,
+    LOST_LINEAGE,
+    LedgerMismatch,
+    check_restored,
+    learner_ahead,
+    ledger_steps,
+    plan_recovery,
+)
 from services.scheduler.ledger.store import BatchRow, LedgerStore, Snapshot, TrainingRow, read_ledger
 from services.scheduler.peers.clients import LearnerInfo, ScoredGroup
 
@@ -132,10 +140,49 @@ def test_a_prompt_whose_later_attempt_is_in_a_batch_is_not_reissued() -> None:
     assert not plan.reissue and not plan.drop and plan.next_position == 2
 
 
-def test_a_learner_ahead_of_the_ledger_is_refused() -> None:
-    snapshot = _snapshot([("a", 0, S, [0])], batches=[_row(0, "a#0")])
-    with pytest.raises(LedgerMismatch, match="does not belong"):
+def test_a_learner_ahead_of_the_ledger_must_go_back_before_a_plan() -> None:
+    """Power loss: the ledger lost its last writes, the learner's later checkpoint survived."""
+    snapshot = _snapshot([("a", 0, T, [0]), ("b", 1, S, [1])], batches=[_row(0, "a#0")])
+    assert ledger_steps(snapshot) == 1  # batch 0 is durable; a learner at step 1 trained it
+    assert not learner_ahead(snapshot, _info(1, "step-0"))
+    assert learner_ahead(snapshot, _info(5))
+    with pytest.raises(LedgerMismatch, match="must go back"):
         plan_recovery(snapshot, _info(5))
+    snapshot.meta["first_step"] = "3"  # a ledger started on a learner already at step 3
+    assert ledger_steps(snapshot) == 3 and not learner_ahead(snapshot, _info(3))
+    # a ledger that never recorded a step (no batch, no first_step) cannot tell
+    assert not learner_ahead(_snapshot([("a", 0, S, [0])]), _info(5))
+
+
+def test_a_learner_that_went_back_is_rewound_from_the_version_it_discarded() -> None:
+    """Went back from step 5 (versions 2..5 exist nowhere in the ledger but rollouts may hold them) to
+    its step-1 checkpoint: the rewind covers the discarded versions, step 1 is trained again, and a
+    scored group with a token newer than version 1 is dropped."""
+    snapshot = _snapshot(
+        [("a", 0, T, [0]), ("b", 1, T, [1]), ("c", 2, S, [1]), ("d", 3, S, [2])],
+        batches=[_row(0, "a#0"), _row(1, "b#0")],
+        trainings=[_trained(0)],
+    )
+    assert ledger_steps(snapshot) == 2
+    check_restored(snapshot, _info(1, "step-0"))
+    plan = plan_recovery(snapshot, _info(1, "step-0"), discarded_version=5)
+    assert plan.rewound_from == 5 and [b.step for b in plan.replay] == [1]
+    assert plan.drop == [("d#0", LOST_LINEAGE)] and plan.requeue == ["c#0"] and plan.reissue == [3]
+    # went back to exactly what the ledger knows: still a rewind (rollouts may hold versions 3..5)
+    plan = plan_recovery(snapshot, _info(2, "step-1"), discarded_version=5)
+    assert plan.rewound_from == 5 and not plan.replay and plan.acknowledge == [snapshot.batches[1]]
+
+
+def test_a_learner_that_went_back_to_another_runs_batch_or_not_far_enough_is_refused() -> None:
+    snapshot = _snapshot([("a", 0, T, [0]), ("b", 1, T, [1])], batches=[_row(0, "a#0"), _row(1, "b#0")])
+    with pytest.raises(LedgerMismatch, match="not one run"):
+        check_restored(snapshot, _info(1, "other-run-batch"))
+    with pytest.raises(LedgerMismatch, match="still at step"):
+        check_restored(snapshot, _info(4, "step-3"))
+    snapshot.meta["first_step"] = "1"
+    with pytest.raises(LedgerMismatch, match="before this ledger's first step"):
+        check_restored(snapshot, _info(0))
+    check_restored(snapshot, _info(2, "step-1"))
 
 
 async def test_the_store_writes_in_batches_and_reads_back_everything(tmp_path: Path) -> None:

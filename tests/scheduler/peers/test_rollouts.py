@@ -80,3 +80,55 @@ async def test_the_pool_is_bounded_and_forgets_dead_registrations() -> None:
     pool.add("r3", registered=True)
     await pool.refresh_all(current_version=0)
     assert [h.address for h in pool.healthy()] == ["r3"]
+
+
+async def test_a_rollout_taken_out_of_work_gives_up_its_generation_calls() -> None:
+    """A frozen rollout holds its groups until its call's deadline unless the pool lets them go when
+    it takes the rollout out of work (a missed stage, probe or health poll)."""
+    from grpo.common.v1 import types_pb2
+    from services.common.errors import Unavailable
+    from services.scheduler.peers.clients import Sampling
+    from services.scheduler.peers.rollouts import abandonable
+
+    frozen = FakeRollout("frozen", gate=asyncio.Event())  # generation never ends
+    pool = _pool(frozen)
+    await pool.refresh_all(current_version=0)
+    handle = pool.handles()[0]
+    call = asyncio.create_task(
+        abandonable(
+            handle,
+            handle.client.generate(
+                "g1", types_pb2.Prompt(id="p"), Sampling(n=2, temperature=1.0, max_tokens=4)
+            ),
+        )
+    )
+    await asyncio.sleep(0.01)
+    assert not call.done() and len(handle.generating) == 1
+    await pool.mark(handle, healthy=False)
+    with pytest.raises(Unavailable, match="rollout frozen stopped answering"):
+        await asyncio.wait_for(call, 5)
+    assert not handle.generating
+
+
+async def test_cancelling_the_caller_is_not_mistaken_for_a_lost_rollout() -> None:
+    from grpo.common.v1 import types_pb2
+    from services.scheduler.peers.clients import Sampling
+    from services.scheduler.peers.rollouts import abandonable
+
+    slow = FakeRollout("slow", gate=asyncio.Event())
+    pool = _pool(slow)
+    await pool.refresh_all(current_version=0)
+    handle = pool.handles()[0]
+    call = asyncio.create_task(
+        abandonable(
+            handle,
+            handle.client.generate(
+                "g1", types_pb2.Prompt(id="p"), Sampling(n=2, temperature=1.0, max_tokens=4)
+            ),
+        )
+    )
+    await asyncio.sleep(0.01)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert not handle.generating and handle.healthy

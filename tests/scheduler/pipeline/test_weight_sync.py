@@ -69,7 +69,7 @@ async def test_a_failure_in_commit_also_drops_only_that_rollout() -> None:
     syncer, learner, pool = await _setup(good, bad)
     learner.version = 2
 
-    async def refuse(version: int, rewind: bool = False) -> int:
+    async def refuse(version: int, rewind: bool = False, deadline_s: float | None = None) -> int:
         raise FailedPrecondition("load failed")
 
     bad.commit = refuse
@@ -129,3 +129,21 @@ async def test_probe_asks_the_learner_and_every_rollout_at_once() -> None:
         rollout.score_tokens = counting(rollout.score_tokens)
     assert await syncer.probe(PROBE, pool.handles()) == 0.0
     assert most == 4
+
+
+async def test_a_rollout_silent_mid_sync_is_not_vouched_for_until_its_state_is_read() -> None:
+    """The cuda_ipc fence: the learner is told what each rollout serves for certain; one that did not
+    answer a stage may have loaded the version or not, so it is left out until it answers again."""
+    good, silent = FakeRollout("good", rollout_id="rg"), FakeRollout("silent", rollout_id="rs")
+    silent.fail_stage = [DeadlineExceeded("silent: deadline")]
+    syncer, learner, pool = await _setup(good, silent)
+    learner.version = 1
+    await syncer.sync(pool.handles())
+    assert {h.rollout_id: h.version for h in learner.holders[-1]} == {"rg": 0, "rs": 0}
+    learner.version = 2
+    await syncer.sync(pool.healthy())
+    assert {h.rollout_id: h.version for h in learner.holders[-1]} == {"rg": 1}  # rs: unknown
+    await pool.refresh_all(2)  # it answers again: its state is what it serves
+    learner.version = 3
+    await syncer.sync(pool.healthy())
+    assert {h.rollout_id: h.version for h in learner.holders[-1]} == {"rg": 2, "rs": 0}

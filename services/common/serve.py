@@ -51,7 +51,11 @@ log = get_logger(__name__)
 
 
 class ServiceApp(Protocol):
-    """What a service provides to the skeleton. `server.py` of each service builds one."""
+    """What a service provides to the skeleton. `server.py` of each service builds one.
+
+    An app may also have a `fatal` attribute: when it is non-empty once the service stopped (the app
+    signalled itself, unable to serve on), the process exits 1 with it, so a supervisor starts a fresh
+    one."""
 
     service_names: tuple[str, ...]
     # The port the server actually bound (set by the skeleton before `start()`; matters with port 0).
@@ -213,6 +217,9 @@ async def serve_until_signalled(app: ServiceApp, settings: ServiceSettings) -> N
         log.info("draining", grace_s=settings.grace_seconds)
         await running.close()
         log.info("stopped")
+    if fatal := getattr(app, "fatal", ""):
+        log.error("exiting 1", why=fatal)
+        raise SystemExit(1)
 
 
 def run_service(name: str, build_app: Callable[[], ServiceApp], settings: ServiceSettings) -> None:

@@ -8,6 +8,10 @@ everything with SIGTERM (also when the launcher itself gets SIGTERM or Ctrl-C), 
 `metrics.jsonl`, `reward.png` and `summary.json` into the run directory. A new run starts clean
 (previous ledger, checkpoints and metrics of the run directory removed) unless `--resume`.
 
+One launcher runs a run directory at a time (a second one is refused); its services die with it, even
+when it is killed with SIGKILL, and a launcher that finds services a dead one left running stops them
+before it starts its own (`ownership.py`).
+
     grpo-mesh demo --steps 40 --run-dir runs/demo [--model PATH_OR_ID] [--loss dapo] [--secure] [--resume]
 
 (`make demo` runs it; `python -m services demo` without the console script.) Booleans are bare
@@ -21,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Literal
@@ -39,7 +44,8 @@ from services.common.errors import GrpoError
 from services.common.security import ClientSecurity, SecuritySettings, set_client_security
 from services.launch import pretrained
 from services.launch.certs import RunCredentials, issue
-from services.launch.processes import ServiceFailed, ServiceProcess
+from services.launch.ownership import RunDirBusy, RunOwner
+from services.launch.processes import ServiceFailed, ServiceProcess, terminate_all
 from services.launch.report import last_row, plot_reward, read_metrics, summarize
 from services.launch.supervisor import RestartPolicy, Supervisor
 from services.launch.tiny_model import DEMO_TASK, build_tiny_model
@@ -300,15 +306,31 @@ def clean_run_dir(run_dir: Path) -> None:
 
 
 async def run_demo(cfg: DemoSettings) -> int:
+    """The whole run: claim the run directory (refused while another launcher runs it; what a dead
+    one left running is stopped), run, stop the services, then let go of the directory (its record
+    removed, stale shared memory reclaimed)."""
     started = time.perf_counter()
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.resume:
-        clean_run_dir(cfg.run_dir)
-    # SIGTERM / Ctrl-C: cancel the run, so the `finally` below stops every service (no orphans)
+    # SIGTERM / Ctrl-C: cancel the run, so the `finally`s stop every service (no orphans)
     task = asyncio.current_task()
     assert task is not None
     for signum in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(signum, task.cancel)
+    try:
+        owner = await asyncio.to_thread(RunOwner.claim, cfg.run_dir)
+    except RunDirBusy as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except asyncio.CancelledError:
+        return 143
+    try:
+        return await _run(cfg, owner, started)
+    finally:
+        owner.release()  # blocking, but the loop has nothing else left to run
+
+
+async def _run(cfg: DemoSettings, owner: RunOwner, started: float) -> int:
+    if not cfg.resume:
+        clean_run_dir(cfg.run_dir)
     model = cfg.model
     if known := pretrained.lookup(model):
         model = str(await asyncio.to_thread(pretrained.prepare_model, known, REPO / ".cache"))
@@ -343,6 +365,8 @@ async def run_demo(cfg: DemoSettings) -> int:
         )
         for i in range(cfg.rollouts)
     ]
+    for proc in workers:
+        owner.track(proc)
     scheduler = None
     supervisor = Supervisor(workers, RestartPolicy(max_restarts=cfg.max_restarts))
     try:
@@ -362,6 +386,7 @@ async def run_demo(cfg: DemoSettings) -> int:
                 "GRPO_SCHEDULER__ROLLOUT_ADDRESSES": json.dumps(rollout_addresses),
             },
         )
+        owner.track(scheduler)
         scheduler.start()
         address = await scheduler.wait_ready(cfg.startup_timeout)
         supervisor.add(scheduler)
@@ -378,8 +403,7 @@ async def run_demo(cfg: DemoSettings) -> int:
         print("\nstopped: every service was sent SIGTERM", flush=True)
         return 143
     finally:
-        for proc in ([scheduler] if scheduler else []) + workers[::-1]:
-            proc.terminate()
+        terminate_all(([scheduler] if scheduler else []) + workers[::-1])
     return report(cfg, status, time.perf_counter() - started, dict(supervisor.restarts))
 
 

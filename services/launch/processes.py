@@ -4,17 +4,27 @@ Each service runs in its own session (process group), so what it started (vLLM's
 can be stopped with it: `kill_leftovers` SIGKILLs the group we created, never anything found by name.
 A process keeps the port it first bound, so a restart (`supervisor.py`) comes back where its peers
 and the launcher look for it.
+
+A service started here dies with the process that started it: the kernel sends it SIGTERM when that
+process exits, SIGKILL included (`PR_SET_PDEATHSIG`, set in the child before it runs the service; if
+the starter is already gone by then, the child stops itself). The kernel ties the signal to the
+starting *thread*, so `start()` must run on the main thread. Services started by hand, by compose or
+by Kubernetes run no code of this module and are not affected. `ownership.py` records each start in
+the run directory and stops what is left, e.g. a service too hung to act on its SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +37,7 @@ from grpo.scheduler.v1 import scheduler_pb2
 from services.common.clients import GrpcClient
 from services.common.errors import GrpoError
 from services.common.serve import service_names
+from services.launch.liveset import Member, start_time
 
 # The health-check name of each service: its readiness (the full service name, from the contract).
 READINESS = {
@@ -38,6 +49,22 @@ READINESS = {
         ("scheduler", scheduler_pb2),
     )
 }
+
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with(starter: int) -> Callable[[], None]:
+    """The child's last step before it runs the service: SIGTERM when `starter` exits (Linux)."""
+
+    def preexec() -> None:
+        if _libc is not None and _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != starter:  # it died before the death signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 class ServiceFailed(RuntimeError):
@@ -54,6 +81,9 @@ class ServiceProcess:
     process: subprocess.Popen | None = None
     port: int = 0  # 0 until the first start has bound one; restarts reuse it
     starts: int = 0
+    started_at: int | None = None  # the current process's start time (/proc/<pid>/stat), read at start
+    die_with_starter: bool = True  # SIGTERM from the kernel when the starting process exits
+    on_change: Callable[[], None] | None = None  # called after each start and once the port is known
 
     @property
     def tag(self) -> str:
@@ -78,8 +108,18 @@ class ServiceProcess:
     def log_file(self) -> Path:
         return self.run_dir / "logs" / f"{self.tag}.log"
 
+    def member(self) -> Member | None:
+        """This service's current process as the run directory records it (None before a start). Its
+        start time was read while the process was ours for sure (before we reaped it), so a later
+        process that reuses the pid never passes for it."""
+        if self.process is None or self.started_at is None:
+            return None
+        return Member(self.tag, self.process.pid, self.started_at, self.port)
+
     def start(self) -> None:
         """Start (or restart: same port, log appended) the service in a session of its own."""
+        if self.die_with_starter and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("start() off the main thread: the death signal would follow that thread")
         self.port_file.unlink(missing_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         command = [
@@ -102,8 +142,12 @@ class ServiceProcess:
                 env={**os.environ, **self.env},
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=_die_with(os.getpid()) if self.die_with_starter else None,
             )
+        self.started_at = start_time(self.process.pid)  # unreaped, the pid cannot be anyone else's yet
         self.starts += 1
+        if self.on_change:
+            self.on_change()
 
     def signal_group(self, signum: int) -> None:
         """Signal the process group this service was started in (itself and its own children)."""
@@ -167,12 +211,20 @@ class ServiceProcess:
                         min(5.0, remaining),
                     )
                     if response.status == health_pb2.HealthCheckResponse.SERVING:
+                        if self.on_change:
+                            self.on_change()  # the port is known now
                         return self.address
                 except GrpoError:
                     pass  # not listening yet or still loading: poll again until the deadline
                 await asyncio.sleep(0.5)
         finally:
             await health.close()
+
+    def ask_to_stop(self) -> None:
+        """SIGTERM this process (our own pid) without waiting for it."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
 
     def terminate(self, grace: float = 30.0) -> int | None:
         """SIGTERM this process (our own pid, never by name); SIGKILL only if it ignores the grace period."""
@@ -189,3 +241,14 @@ class ServiceProcess:
             code = self.process.wait()
         self.kill_leftovers()
         return code
+
+
+def terminate_all(processes: list[ServiceProcess], grace: float = 30.0) -> None:
+    """Stop `processes` in order, all asked at once: each gets SIGTERM now, then each is waited for
+    in turn (SIGKILL when the shared grace period is over), so services that are slow to stop (a model
+    loading when the launcher was told to stop) take one grace period together, not one each."""
+    for proc in processes:
+        proc.ask_to_stop()
+    deadline = time.monotonic() + grace
+    for proc in processes:
+        proc.terminate(grace=max(0.5, deadline - time.monotonic()))

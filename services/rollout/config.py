@@ -18,6 +18,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.config import ServiceSettings
 from services.common.cpus import CpuList
+from services.common.deadlines import TransferDeadline
 
 
 class _Section(BaseModel):
@@ -142,11 +143,16 @@ class RolloutSettings(ServiceSettings):
         default=True, description="Let the tokenizer add its special tokens (e.g. BOS) to plain-text prompts."
     )
     trust_remote_code: bool = Field(default=False, description="Allow model code from the model repository.")
-    fetch_timeout_s: float = Field(
-        default=300.0, gt=0, description="Deadline for fetching one weight version over grpc_stream."
+    fetch_deadline: TransferDeadline = Field(
+        default_factory=TransferDeadline,
+        description="Deadline of fetching one weight version over grpc_stream ([rollout.fetch_deadline]): "
+        "floor_s + the version's total_bytes at min_rate_mb_s (defaults: 10 s + 1 s per 20 MB).",
     )
-    load_timeout_s: float = Field(
-        default=300.0, gt=0, description="Deadline for the engine to load staged weights."
+    load_deadline: TransferDeadline = Field(
+        default_factory=TransferDeadline,
+        description="Deadline of the vLLM engine's load of a staged version ([rollout.load_deadline]): "
+        "floor_s + its total_bytes at min_rate_mb_s. A load that misses it leaves the engine unusable: "
+        "this rollout then refuses work (UNAVAILABLE) until it is restarted.",
     )
     tokenize_threads: int = Field(
         default=2, ge=1, description="Threads that tokenize prompts off the event loop."

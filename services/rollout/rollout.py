@@ -35,6 +35,7 @@ from services.rollout.validation import (
 from services.rollout.vllm_engine import VllmEngine
 from services.rollout.weight_sync import WeightStager
 from services.transports import Staged, StageTarget
+from services.transports.shared_memory import reclaim_stale_segments
 
 log = get_logger(__name__)
 
@@ -124,7 +125,7 @@ class Rollout:
         self.rollout_id = settings.rollout_id or f"{socket.gethostname()}-{os.getpid()}"
         self.instance_id = uuid.uuid4().hex[:12]  # a restarted rollout is a new group member
         self._engine = engine or build_engine(settings)
-        self._stager = WeightStager(self.rollout_id, settings.fetch_timeout_s, self._engine)
+        self._stager = WeightStager(self.rollout_id, settings.fetch_deadline, self._engine)
         self._tokenize_pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
         self._tokenizer: Any = None
         self._vocab_size = 0
@@ -153,6 +154,8 @@ class Rollout:
         self._vocab_size = int(getattr(text_config, "vocab_size", 0) or len(self._tokenizer))
 
     async def start(self) -> None:
+        # what a predecessor of this id left in /dev/shm when it was killed with its resource tracker
+        await asyncio.to_thread(reclaim_stale_segments, self.rollout_id)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._tokenize_pool, self._load_tokenizer)
         await self._engine.start()

@@ -47,6 +47,11 @@ class RolloutApp:
             self.registration = Registration(config, advertised_address(config, self.bound_port))
             self.registration.start()
 
+    @property
+    def fatal(self) -> str:
+        """Why this rollout must exit 1 once stopped ("" normally): its engine takes no more work."""
+        return getattr(self.rollout.engine, "broken", "")
+
     async def stop(self) -> None:
         if self.registration is not None:
             await self.registration.stop()

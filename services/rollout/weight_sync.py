@@ -7,13 +7,17 @@ rollout's one staged slot and its version rules:
 - a version not newer than the loaded one is refused (Aborted), unless the scheduler says `rewind`:
   the learner restarted from an older checkpoint, and the loaded weights are of a lost lineage;
 - a retried StageWeights of the staged version returns it without fetching again;
-- staging a newer version replaces an older staged one; an older one than staged is refused.
+- staging a newer version replaces an older staged one; an older one than staged is refused;
+- a fetch has a deadline that grows with the version's `total_bytes` (`fetch_deadline`: a floor plus
+  the bytes at the slowest rate accepted), so a hung learner holds the slot no longer than that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
+from services.common.deadlines import TransferDeadline
 from services.common.errors import Aborted, FailedPrecondition
 from services.common.logging import get_logger
 from services.transports import EngineWorkers, StageContext, Staged, StageTarget
@@ -25,8 +29,13 @@ log = get_logger(__name__)
 class WeightStager:
     """The one staged slot, guarded by a lock so stage / take / abort never interleave."""
 
-    def __init__(self, rollout_id: str, fetch_timeout_s: float, workers: EngineWorkers | None = None) -> None:
-        self._ctx = StageContext(rollout_id=rollout_id, fetch_timeout_s=fetch_timeout_s, workers=workers)
+    def __init__(
+        self, rollout_id: str, fetch_deadline: TransferDeadline, workers: EngineWorkers | None = None
+    ) -> None:
+        self._fetch_deadline = fetch_deadline
+        self._ctx = StageContext(
+            rollout_id=rollout_id, fetch_timeout_s=fetch_deadline.floor_s, workers=workers
+        )
         self._staged: Staged | None = None
         self._target: StageTarget | None = None  # what `_staged` was staged from
         self._lock = asyncio.Lock()
@@ -48,7 +57,8 @@ class WeightStager:
             # (the same version described anew, e.g. a new nccl broadcast of it, is staged again)
             if staged is not None and staged.version > target.version and not rewind:
                 raise Aborted(f"weight version {staged.version} is already staged; {target.version} is stale")
-            fresh = await transport.stage(target, self._ctx)
+            fetch_s = self._fetch_deadline.for_bytes(target.manifest.total_bytes)
+            fresh = await transport.stage(target, dataclasses.replace(self._ctx, fetch_timeout_s=fetch_s))
             if self._staged is not None:
                 self._staged.release()
             self._staged, self._target = fresh, target

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -52,7 +51,12 @@ from services.transports.base import (
 )
 from services.transports.chunk_wire import FETCH_PATH, ChunkView, decode_chunk, encode_chunk
 from services.transports.landing_check import LandingCheck
-from services.transports.shared_memory import SegmentStaged, create_segment, unlink_segment
+from services.transports.shared_memory import (
+    SegmentStaged,
+    create_segment,
+    rollout_segment_name,
+    unlink_segment,
+)
 
 
 @dataclass(frozen=True)
@@ -102,11 +106,6 @@ class _Fetcher(GrpcClient[learner_pb2_grpc.LearnerServiceStub]):
         return f"learner {self.address}"
 
 
-def _segment_name(rollout_id: str) -> str:
-    safe = "".join(c if c.isalnum() else "_" for c in rollout_id)[:40]
-    return f"grpo_rollout_{safe}_{uuid.uuid4().hex[:12]}"
-
-
 class _ReceiveSegments:
     """This process's receive segments: a released one is kept as the spare for the next version."""
 
@@ -121,7 +120,7 @@ class _ReceiveSegments:
             if spare.size == max(size, 1):
                 return spare
             unlink_segment(spare)  # the model changed shape
-        return create_segment(_segment_name(rollout_id), size)
+        return create_segment(rollout_segment_name(rollout_id), size)
 
     def give_back(self, segment: shared_memory.SharedMemory) -> None:
         with self._lock:

@@ -68,3 +68,38 @@ async def test_what_a_service_started_dies_with_it(tmp_path: Path) -> None:
     assert grandchild.is_running()  # SIGKILL of the parent alone leaves it
     proc.kill_leftovers()
     await _until(lambda: not grandchild.is_running() or grandchild.status() == psutil.STATUS_ZOMBIE)
+
+
+def test_stopping_asks_every_service_at_once(tmp_path: Path) -> None:
+    """A launcher told to stop while its services load (each slow to act on SIGTERM) must not wait
+    one grace period per service: every one is asked before the first is waited for."""
+    from services.launch.processes import terminate_all
+
+    script = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    open(sys.argv[1], 'a').write(f'term {time.monotonic()}\\n')\n"
+        "    time.sleep(1.0)  # a model load finishing before the process can stop\n"
+        "    open(sys.argv[1], 'a').write(f'exit {time.monotonic()}\\n')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "open(sys.argv[1] + '.ready', 'w').close()\n"
+        "while True: time.sleep(0.1)\n"
+    )
+    services = []
+    for name in ("scheduler", "learner"):
+        log = tmp_path / name
+        process = subprocess.Popen([sys.executable, "-c", script, str(log)], start_new_session=True)
+        services.append((ServiceProcess(name, tmp_path, process=process), log))
+    for _, log in services:
+        deadline = time.monotonic() + 60
+        while not Path(f"{log}.ready").exists():
+            assert time.monotonic() < deadline, "the stand-in service did not start"
+            time.sleep(0.05)
+    terminate_all([s for s, _ in services])
+    first, second = (
+        {k: float(v) for k, v in (line.split() for line in log.read_text().splitlines())}
+        for _, log in services
+    )
+    assert second["term"] < first["exit"]  # asked before the first had stopped
+    assert all(s.process.returncode == 0 for s, _ in services)

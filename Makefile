@@ -6,6 +6,7 @@
 #   make test [PYTEST_ARGS="-m 'not slow'"]             the test suite (CI: .ci/run)
 #   make up [PROFILE=gpu|gpu-nccl] [GRPO_MESH_CONFIG=tiny.toml]   the four services in Docker Compose
 #   make compose-test                                   build, run, stop and resume the compose deployment
+#   make soak [SOAK_ARGS="--seed 1 --duration 600"]     a long demo under random kill -9 and SIGSTOP, then checks
 #
 # Every other command line is `.venv/bin/grpo-mesh <command>` (`grpo-mesh --help` lists them: serve,
 # status, audit, check-env, prepare, certs); booleans are a bare `--flag` / `--no-flag` everywhere.
@@ -24,7 +25,7 @@ PY_DIRS := services tests scripts bench
 # Passed to the launcher only when set, so its own defaults apply otherwise.
 DEMO_FLAGS := $(if $(MODEL),--model $(MODEL)) $(if $(STEPS),--steps $(STEPS)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)
 
-.PHONY: help install demo test proto lint format up compose-test clean gpu-check gpu-wheels
+.PHONY: help install demo test proto lint format up compose-test clean gpu-check gpu-wheels soak
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 10
@@ -52,6 +53,9 @@ lint: ## ruff check, ruff format --check, buf lint.
 format: ## Apply ruff fixes and formatting.
 	$(RUFF) check --fix $(PY_DIRS)
 	$(RUFF) format $(PY_DIRS)
+
+soak: install ## Long 2-rollout demo under random kill -9 and SIGSTOP faults, then PASS/FAIL checks (SOAK_ARGS="--duration 600 ...").
+	$(PY) bench/soak.py $(SOAK_ARGS)
 
 gpu-check: ## On an NVIDIA GPU machine: GPU tests, cuda_ipc two-process check, weight-transport benchmark; one report.
 	bash scripts/gpu_check.sh

@@ -199,7 +199,9 @@ class StubLearner:
         self.version += 1
         return StepResult(self.version, self.version, {"loss": 0.5})
 
-    async def prepare(self, kind: Any, receivers: Sequence[Any] = ()) -> PreparedWeights:
+    async def prepare(
+        self, kind: Any, receivers: Sequence[Any] = (), holders: Sequence[Any] | None = None
+    ) -> PreparedWeights:
         await asyncio.sleep(0)
         message = types_pb2.WeightVersion(version=self.version, parent_version=self.version - 1)
         return PreparedWeights(self.version, message, 0.0)
@@ -249,7 +251,7 @@ class StubRollout:
         await asyncio.sleep(0)
         self.staged = weights.version
 
-    async def commit(self, version: int, rewind: bool = False) -> None:
+    async def commit(self, version: int, rewind: bool = False, deadline_s: float | None = None) -> None:
         await asyncio.sleep(0)
         if self.staged != version:
             raise RuntimeError(f"stub rollout {self.address}: v{version} is not staged")

@@ -154,8 +154,15 @@ class PublishConfig(_Section):
     collective_timeout_s: float = Field(
         default=60.0,
         gt=0,
-        description="nccl transport: seconds for every receiver to join the group, and for each bucket's "
-        "broadcast; past it the version fails and the group is rebuilt.",
+        description="nccl transport: seconds for every receiver to join each broadcast (and a new group's "
+        "connections), and the floor of the buckets' transfer deadline (plus the bytes at "
+        "collective_min_rate_mb_s); past either the version fails for every member and the group is rebuilt.",
+    )
+    collective_min_rate_mb_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="nccl transport: the slowest broadcast rate accepted; the buckets together may take "
+        "collective_timeout_s + the version's bytes at this rate.",
     )
     collective_port: int = Field(
         default=0,

@@ -25,6 +25,7 @@ from functools import partial
 from typing import TypeVar
 
 from services.common import validation as check
+from services.common.deadlines import TransferDeadline
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
 from services.common.weights import dtype_name
@@ -96,6 +97,10 @@ class Learner:
             chunk_bytes=settings.publish.chunk_bytes,
             advertise_address=self.advertise_address,
             collective_timeout_s=settings.publish.collective_timeout_s,
+            collective_transfer=TransferDeadline(
+                floor_s=settings.publish.collective_timeout_s,
+                min_rate_mb_s=settings.publish.collective_min_rate_mb_s,
+            ),
             collective_port=settings.publish.collective_port,
         )
 

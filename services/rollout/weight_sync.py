@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import NoReturn
 
 from services.common.deadlines import TransferDeadline
 from services.common.errors import Aborted, FailedPrecondition
 from services.common.logging import get_logger
-from services.transports import EngineWorkers, StageContext, Staged, StageTarget
+from services.transports import EngineWorkers, StageContext, Staged, StageTarget, WeightTransport
 from services.transports import registry as transports
 
 log = get_logger(__name__)
@@ -45,18 +46,24 @@ class WeightStager:
         return self._staged.version if self._staged else -1
 
     async def stage(self, target: StageTarget, current_version: int, rewind: bool = False) -> Staged:
-        if target.version <= current_version and not rewind:
-            raise Aborted(
-                f"weight version {target.version} is not newer than the loaded version {current_version}"
-            )
         transport = transports.get(target.kind)
+        if target.version <= current_version and not rewind:
+            await self._refuse(
+                transport,
+                target,
+                f"weight version {target.version} is not newer than the loaded version {current_version}",
+            )
         async with self._lock:
             staged = self._staged
             if staged is not None and self._target == target:
                 return staged  # a retried StageWeights: already fetched and verified
             # (the same version described anew, e.g. a new nccl broadcast of it, is staged again)
             if staged is not None and staged.version > target.version and not rewind:
-                raise Aborted(f"weight version {staged.version} is already staged; {target.version} is stale")
+                await self._refuse(
+                    transport,
+                    target,
+                    f"weight version {staged.version} is already staged; {target.version} is stale",
+                )
             fetch_s = self._fetch_deadline.for_bytes(target.manifest.total_bytes)
             fresh = await transport.stage(target, dataclasses.replace(self._ctx, fetch_timeout_s=fetch_s))
             if self._staged is not None:
@@ -70,6 +77,12 @@ class WeightStager:
                 fetch_ms=round(fresh.fetch_ms, 1),
             )
             return fresh
+
+    async def _refuse(self, transport: WeightTransport, target: StageTarget, reason: str) -> NoReturn:
+        """Refuse `target` (Aborted), ending its collective transfer for the whole group at once: the
+        learner's broadcast (and its next train step) must not wait out the join deadline for us."""
+        await transport.refuse(target, f"{self._ctx.rollout_id} refused: {reason}")
+        raise Aborted(reason)
 
     async def take(self, version: int) -> Staged:
         """Hand the staged `version` to the committer (FailedPrecondition if it is not staged)."""

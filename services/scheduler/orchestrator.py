@@ -95,6 +95,7 @@ class Orchestrator:
                 asyncio.create_task(self.groups.dispatch(), name="dispatcher"),
                 asyncio.create_task(self._monitor_health(), name="health"),
                 asyncio.create_task(self._flush_ledger(), name="ledger"),
+                asyncio.create_task(self.pool.pause_watch.run(), name="pause-watch"),
             ]
             trainer = asyncio.create_task(self._train(), name="trainer")
             # Whichever ends first: the trainer (done/failed) or a background task crashing.

@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from grpo.common.v1 import types_pb2
+from services.common.deadlines import TransferDeadline
 from services.common.weights import Manifest, TensorEntry
 from services.transports.kinds import Receiver, TransportKind
 
@@ -49,6 +50,7 @@ class PublishContext:
     chunk_bytes: int
     advertise_address: Callable[[], str]  # host:port of the learner; raises FailedPrecondition if unknown
     collective_timeout_s: float = 60.0
+    collective_transfer: TransferDeadline | None = None  # the buckets' deadline (None: the default rate)
     collective_port: int = 0  # the rendezvous store's port; 0 = any free port
     state: dict[str, Any] = field(default_factory=dict)  # per-learner state a transport keeps (groups)
 
@@ -172,6 +174,10 @@ class WeightTransport(abc.ABC):
     @abc.abstractmethod
     async def stage(self, target: StageTarget, ctx: StageContext) -> Staged:
         """Fetch or attach the bytes of `target` and verify every bucket checksum; change nothing else."""
+
+    async def refuse(self, target: StageTarget, reason: str) -> None:  # noqa: B027 (an optional hook)
+        """This member will not stage `target`: end a collective transfer of it for the whole group at
+        once, so the learner and the others stop waiting (default: nothing, nobody waits)."""
 
     def close(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Free what the rollout half keeps between versions in this process (default: nothing)."""

@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import AfterValidator
 
 from grpo.common.v1 import types_pb2
+from services.common.deadlines import TransferDeadline
 from services.common.errors import InvalidArgument
 
 
@@ -79,20 +80,33 @@ MESH_SLACK_S = 2.0  # joining: beyond the deadline, for the connect path's own t
 
 
 def join_bound_s(deadline_seconds: float) -> float:
-    """The most joining a weight-sync group may take (see `process_group.py`): a member waits up to
-    two deadlines for the roll call's verdict (rank 0 may arrive one deadline late, then waits one),
-    then the connection mesh has one."""
-    return 3 * deadline_seconds + MESH_SLACK_S
+    """The most joining a weight-sync broadcast may take (see `process_group.py`): a member first
+    waits up to `MESH_SLACK_S` for its previous, cancelled receive to end, then up to two deadlines
+    for the roll call's verdict (rank 0 may arrive one deadline late, then waits one), then a new
+    group's connection mesh has one deadline plus `MESH_SLACK_S`."""
+    return 3 * deadline_seconds + 2 * MESH_SLACK_S
 
 
-def collective_receive_s(deadline_seconds: float, buckets: int) -> float:
-    """The most a collective receive may take: joining, then each bucket has the deadline."""
-    return join_bound_s(deadline_seconds) + deadline_seconds * buckets
+def transfer_deadline(floor_s: float, min_rate_mb_s: float) -> TransferDeadline:
+    """The buckets' deadline of an nccl descriptor; 0 (a learner that sent none) means the defaults."""
+    defaults = TransferDeadline()
+    return TransferDeadline(
+        floor_s=floor_s if floor_s > 0 else defaults.floor_s,
+        min_rate_mb_s=min_rate_mb_s if min_rate_mb_s > 0 else defaults.min_rate_mb_s,
+    )
+
+
+def collective_receive_s(deadline_seconds: float, transfer_s: float) -> float:
+    """The most a collective receive may take: joining, then `transfer_s` for all the buckets."""
+    return join_bound_s(deadline_seconds) + transfer_s
 
 
 def receive_bound_s(message: types_pb2.WeightVersion) -> float | None:
-    """How long staging `message` may take by its transport's own deadlines; None when the transport
-    has none (the caller's timeout applies)."""
+    """How long staging `message` may take by its transport's own deadlines (joining, then the
+    buckets' transfer deadline for `total_bytes`); None when the transport has none (the caller's
+    timeout applies). Pure: reads only the message."""
     if message.WhichOneof("transport") != "nccl":
         return None
-    return collective_receive_s(message.nccl.deadline_seconds, len(message.buckets))
+    field = message.nccl
+    transfer = transfer_deadline(field.transfer_floor_s, field.transfer_min_rate_mb_s)
+    return collective_receive_s(field.deadline_seconds, transfer.for_bytes(message.total_bytes))

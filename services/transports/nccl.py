@@ -3,33 +3,41 @@ NCCL between CUDA devices, Gloo on CPU, one code path on every machine.
 
     learner   on its model thread: plans the packed layout, packs each bucket into ONE reusable staging
               buffer (bucket-sized, on the learner's device) to checksum it, answers PrepareWeights,
-              then (`publish`, still on the model thread, so no optimizer step can interleave) packs
-              and broadcasts bucket after bucket from the same buffer. The model's own tensors are read
-              (no snapshot copy).
+              then (`publish`, still on the model thread, so no optimizer step can interleave) holds
+              the roll call, and packs and broadcasts bucket after bucket from the same buffer. The
+              model's own tensors are read (no snapshot copy).
     rollout   asks every engine worker to receive (`worker_op("receive")` starts a thread there) and
-              polls them until all verified their checksums, or one failed, or the deadline passed
-    engine    each worker joins the group, receives every bucket into its own receive buffer (kept
-              across versions), verifies it on its device, and loads from views of it on commit
+              polls them until all verified their checksums, or one failed, or the deadline passed;
+              when it refuses or gives up, it ends the broadcast for the whole group (its abort key)
+              and cancels its workers' receives
+    engine    each worker answers the roll call, joins a new group, receives every bucket into its own
+              receive buffer (kept across versions), verifies it on its device, and loads from views of
+              it on commit
 
-The group is a stateless process group (`process_group.py`: no default group is touched, so it
-coexists with vLLM's own and with any the learner uses). It is kept across versions and rebuilt under
-a new `group_id` when its membership changes (a rollout joins, leaves or restarts) or it broke.
+The group is a stateless process group over the learner's rendezvous store (`process_group.py`: the
+store listens only on the advertised address and every key is sealed with the group's secret). It is
+kept across versions and rebuilt under a new `group_id` and secret when its membership changes (a
+rollout joins, leaves or restarts) or it broke.
 
-Deadlines: joining and every bucket's broadcast time out after `deadline_seconds`; a member that
-never joins or dies mid-broadcast fails the version on every other member within that time, the group
-is marked broken, and the next version (or the scheduler's retry) builds a new one without it.
+Deadlines: each broadcast's roll call and a new group's connections have `deadline_seconds`; the
+buckets together have `TransferDeadline.for_bytes(total_bytes)` (floor + bytes / slowest rate). Every
+wait is a loop of short slices that also watches the broadcast's abort key, so a member that refuses,
+fails or is cancelled ends the broadcast for everyone at once; a member that never comes fails it
+within the join deadline. Either way the group is marked broken and the next version (or the
+scheduler's retry) builds a new one. A receive that is cancelled or superseded by the next version's
+ends within a slice and releases its group (without waiting for Gloo's own timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
+import contextlib
+import secrets
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,7 +46,9 @@ import torch.distributed as dist
 from grpo.common.v1 import types_pb2
 from services.common import checksums, weights
 from services.common.checksums import ChecksumAlgorithm
+from services.common.deadlines import TransferDeadline
 from services.common.errors import (
+    Aborted,
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
@@ -59,11 +69,24 @@ from services.transports.base import (
     WeightTransport,
     WorkerContext,
 )
-from services.transports.kinds import collective_receive_s
-from services.transports.process_group import broadcast, close_group, member_names, open_group
+from services.transports.kinds import collective_receive_s, transfer_deadline
+from services.transports.nccl_worker import NcclWorker, op_timeout_s
+from services.transports.process_group import (
+    SealedStore,
+    abort,
+    aborted,
+    broadcast,
+    close_group,
+    connect_store,
+    member_names,
+    open_group,
+    roll_call,
+    serve_store,
+)
 
 log = get_logger(__name__)
 _POLL_SECONDS = 0.02
+_NOTICE_S = 5.0  # connecting to the store to end a broadcast we refuse (best effort)
 
 
 @dataclass(frozen=True)
@@ -76,11 +99,24 @@ class NcclDescriptor:
     deadline_seconds: float
     backend: str  # "nccl" or "gloo"
     broadcast_id: str  # this one PrepareWeights' broadcast (a version may be broadcast again)
+    secret: str = field(repr=False)  # seals the group's store keys; never logged
+    transfer: TransferDeadline
+
+    def store(self, timeout_s: float) -> SealedStore:
+        """This broadcast's sealed keys in the learner's store (connects: blocking)."""
+        group = connect_store(self.master_address, self.master_port, self.secret, self.group_id, timeout_s)
+        return group.child(f"b/{self.broadcast_id}")
 
 
 def _algorithm(device: torch.device) -> ChecksumAlgorithm:
     """Checksums are computed where the bytes are: on the GPU for NCCL, on the host for Gloo."""
     return ChecksumAlgorithm.wsum64 if device.type == "cuda" else ChecksumAlgorithm.xxh3_64
+
+
+def _transfer(ctx: PublishContext) -> TransferDeadline:
+    """The buckets' deadline: `PublishContext.collective_transfer` where the learner sets one, else
+    the default rate over a floor of `collective_timeout_s`."""
+    return ctx.collective_transfer or TransferDeadline(floor_s=ctx.collective_timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------- learner
@@ -93,6 +129,8 @@ class _Group:
     ranks: dict[str, int]
     world_size: int
     backend: str
+    store: SealedStore
+    secret: str = field(repr=False)
     handle: dist.ProcessGroup | None = None
     broken: bool = False
 
@@ -101,13 +139,11 @@ class _Sender:
     """The learner's side: its rendezvous store, current group and staging buffer (kept across versions)."""
 
     def __init__(self, ctx: PublishContext) -> None:
-        timeout = datetime.timedelta(seconds=ctx.collective_timeout_s)
         self.address = ctx.advertise_address().rpartition(":")[0]  # the host rollouts reach us at
-        # The rendezvous of every group this learner forms: listens on all interfaces at `collective_port`.
-        self.store = dist.TCPStore(
-            self.address, ctx.collective_port, is_master=True, wait_for_workers=False, timeout=timeout
-        )
+        self.store, self.bound = serve_store(self.address, ctx.collective_port, ctx.collective_timeout_s)
         self.timeout_s = ctx.collective_timeout_s
+        self.transfer = _transfer(ctx)
+        self.bucket_bytes = ctx.bucket_bytes
         self.group: _Group | None = None
         self.staging: torch.Tensor | None = None
         self.lock = threading.Lock()
@@ -120,12 +156,15 @@ class _Sender:
             return group
         if group is not None:
             close_group(group.handle)
+            group.handle = None
         ranks, next_rank = {}, 1
         for member in members:
             ranks[member.rollout_id] = next_rank
             next_rank += member.workers
-        self.group = _Group(uuid.uuid4().hex[:12], members, ranks, next_rank, backend)
-        log.info("weight-sync group formed", group_id=self.group.group_id, world_size=next_rank, ranks=ranks)
+        group_id, secret = uuid.uuid4().hex[:12], secrets.token_hex(16)
+        sealed = SealedStore(self.store, secret, f"{group_id}/")
+        self.group = _Group(group_id, members, ranks, next_rank, backend, sealed, secret)
+        log.info("weight-sync group formed", group_id=group_id, world_size=next_rank, ranks=ranks)
         return self.group
 
     def staging_for(self, size: int, device: torch.device) -> torch.Tensor:
@@ -157,17 +196,11 @@ class NcclPrepared(Prepared):
 
     @property
     def descriptor(self) -> NcclDescriptor:
-        group = self.group
+        group, sender = self.group, self.sender
         return NcclDescriptor(
-            self.sender.address,
-            self.sender.store.port,
-            group.world_size,
-            dict(group.ranks),
-            group.group_id,
-            self.sender.timeout_s,
-            group.backend,
-            self.broadcast_id,
-        )
+            sender.address, sender.store.port, group.world_size, dict(group.ranks), group.group_id,
+            sender.timeout_s, group.backend, self.broadcast_id, group.secret, sender.transfer,
+        )  # fmt: skip
 
     def view(self) -> memoryview:
         raise FailedPrecondition(
@@ -175,26 +208,37 @@ class NcclPrepared(Prepared):
         )
 
     def publish(self) -> None:
-        """Join (or reuse) the group and broadcast every bucket; on failure the group is marked broken."""
+        """Hold the roll call, join a new group, broadcast every bucket. On failure the broadcast is
+        ended for every member (its abort key) and the group is marked broken; never raises."""
         state, self._state = self._state, None  # the model's own tensors: never held past this call
         if state is None:
             return
-        group, timeout = self.group, self.sender.timeout_s
+        group, sender = self.group, self.sender
+        keys = group.store.child(f"b/{self.broadcast_id}")
+        names = member_names(group.ranks, group.world_size)
         started = time.perf_counter()
         try:
-            with self.sender.lock:
-                if group.handle is None:
+            with sender.lock:
+                new = group.handle is None
+                roll_call(keys, group.group_id, 0, group.world_size, sender.timeout_s, names, lambda: "",
+                          verdict=b"go mesh" if new else b"go")  # fmt: skip
+                if new:
+                    op_timeout = op_timeout_s(sender.timeout_s, sender.transfer, sender.bucket_bytes)
                     group.handle = open_group(
-                        group.backend, self.sender.address, self.sender.store.port, group.group_id, 0,
-                        group.world_size, timeout, member_names(group.ranks, group.world_size),
+                        group.backend, group.store, 0, group.world_size, op_timeout,
+                        sender.bound, lambda: aborted(keys), group.group_id,
                     )  # fmt: skip
-                staging = self.sender.staging_for(max(b.nbytes for b in self.manifest.buckets), self.device)
+                staging = sender.staging_for(max(b.nbytes for b in self.manifest.buckets), self.device)
+                until = time.monotonic() + sender.transfer.for_bytes(self.manifest.total_bytes)
                 for bucket in self.manifest.buckets:
                     data = weights.pack_range(state, self._entries, bucket.offset, staging[: bucket.nbytes])
-                    broadcast(group.handle, data, timeout)
+                    broadcast(group.handle, data, until, lambda: aborted(keys))
         except Exception as exc:
-            group.broken = True
             self.error = f"{type(exc).__name__}: {exc}"
+            abort(keys, f"learner (rank 0): {self.error}")
+            group.broken = True
+            close_group(group.handle)
+            group.handle = None
             log.warning(
                 "weight broadcast failed", version=self.version, group_id=group.group_id, error=self.error
             )
@@ -209,122 +253,6 @@ class NcclPrepared(Prepared):
 
     def close(self) -> None:
         self._state = None
-
-
-# ---------------------------------------------------------------------------------------------- workers
-
-
-@dataclass
-class _Receipt:
-    version: int
-    broadcast_id: str
-    status: str = "receiving"  # receiving | done | failed
-    kind: str = ""  # failure kind: deadline | data_loss | unavailable
-    error: str = ""
-
-
-class _Receiver:
-    """One worker's side: its group membership, receive buffer and the receipt of the last version."""
-
-    def __init__(self) -> None:
-        self.group_id = ""
-        self.handle: dist.ProcessGroup | None = None
-        self.buffer: torch.Tensor | None = None
-        self.receipt: _Receipt | None = None
-        self.thread: threading.Thread | None = None
-        self.loading = False
-        self.lock = threading.Lock()
-
-    def start(self, spec: dict[str, Any], worker: WorkerContext) -> dict[str, Any]:
-        with self.lock:
-            receipt = self.receipt
-            if (
-                receipt is not None
-                and receipt.broadcast_id == spec["broadcast_id"]
-                and receipt.status != "failed"
-            ):
-                return {"started": False}  # a retried StageWeights: the same receipt answers polls
-            if self.thread is not None and self.thread.is_alive():
-                raise FailedPrecondition(
-                    f"still receiving weight version {receipt.version if receipt else '?'}"
-                )
-            if self.loading:
-                raise FailedPrecondition("a weight load from the receive buffer is in progress")
-            self.receipt = _Receipt(spec["version"], spec["broadcast_id"])
-            self.thread = threading.Thread(
-                target=self._receive, args=(spec, worker, self.receipt), name="grpo-nccl-receive", daemon=True
-            )
-            self.thread.start()
-        return {"started": True}
-
-    def poll(self, version: int, broadcast_id: str) -> dict[str, Any]:
-        receipt = self.receipt
-        if receipt is None or receipt.broadcast_id != broadcast_id:
-            return {
-                "status": "failed",
-                "kind": "unavailable",
-                "error": f"version {version} is not being received",
-            }
-        return {"status": receipt.status, "kind": receipt.kind, "error": receipt.error}
-
-    def _receive(self, spec: dict[str, Any], worker: WorkerContext, receipt: _Receipt) -> None:
-        timeout = float(spec["deadline_seconds"])
-        rank = int(spec["first_rank"]) + worker.local_rank
-        device = worker.device if spec["backend"] == "nccl" else torch.device("cpu")
-        try:
-            if self.handle is None or self.group_id != spec["group_id"]:
-                close_group(self.handle)
-                self.handle, self.group_id = None, ""
-                world = int(spec["world_size"])
-                self.handle = open_group(
-                    spec["backend"], spec["master_address"], int(spec["master_port"]), spec["group_id"], rank,
-                    world, timeout, member_names(spec["ranks"], world),
-                )  # fmt: skip
-                self.group_id = spec["group_id"]
-            manifest = weights.manifest_from_plain(spec)
-            total = manifest.total_bytes
-            if self.buffer is None or self.buffer.numel() < total or self.buffer.device != device:
-                self.buffer = torch.empty(total, dtype=torch.uint8, device=device)  # kept across versions
-            for bucket in manifest.buckets:
-                broadcast(self.handle, self.buffer[bucket.offset : bucket.offset + bucket.nbytes], timeout)
-            try:
-                weights.verify_buckets(self.buffer, manifest)
-            except DataLoss as exc:
-                receipt.kind, receipt.error, receipt.status = "data_loss", str(exc), "failed"
-                return
-            receipt.status = "done"
-        except Exception as exc:
-            close_group(self.handle)  # a failed collective leaves the group unusable
-            self.handle, self.group_id = None, ""
-            text = f"{type(exc).__name__}: {exc}"
-            lowered = text.lower()
-            timed_out = (
-                isinstance(exc, TimeoutError | dist.DistStoreError)
-                or "timeout" in lowered
-                or "timed out" in lowered
-            )
-            receipt.kind = "deadline" if timed_out else "unavailable"
-            me = member_names(spec["ranks"], int(spec["world_size"])).get(rank, "?")
-            receipt.error = f"{me} (rank {rank}) of group {spec['group_id']}: {text}"[:2000]
-            receipt.status = "failed"
-
-    @contextmanager
-    def open(
-        self, spec: dict[str, Any], tensors: list[weights.TensorEntry]
-    ) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
-        receipt = self.receipt
-        if (
-            receipt is None
-            or receipt.broadcast_id != spec["broadcast_id"]
-            or receipt.status != "done"
-            or self.buffer is None
-        ):
-            raise FailedPrecondition(f"weight version {spec['version']} was not received by this worker")
-        self.loading = True
-        try:
-            yield weights.tensor_views(self.buffer, tensors)
-        finally:
-            self.loading = False
 
 
 # ---------------------------------------------------------------------------------------------- transport
@@ -345,7 +273,11 @@ class CollectiveStaged(Staged):
         """Nothing to free: each worker's receive buffer is reused by the next version."""
 
 
-_FAILURES: dict[str, type[GrpoError]] = {"deadline": DeadlineExceeded, "data_loss": DataLoss}
+_FAILURES: dict[str, type[GrpoError]] = {
+    "deadline": DeadlineExceeded,
+    "data_loss": DataLoss,
+    "aborted": Aborted,
+}
 
 
 class NcclTransport(WeightTransport):
@@ -391,44 +323,57 @@ class NcclTransport(WeightTransport):
     def write_descriptor(self, prepared: Prepared, message: types_pb2.WeightVersion) -> None:
         assert isinstance(prepared, NcclPrepared)
         d = prepared.descriptor
-        field = message.nccl
-        field.master_address, field.master_port, field.world_size = (
-            d.master_address,
-            d.master_port,
-            d.world_size,
-        )
-        field.ranks.update(d.ranks)
-        field.group_id, field.deadline_seconds, field.backend = d.group_id, d.deadline_seconds, d.backend
-        field.broadcast_id = d.broadcast_id
+        out = message.nccl
+        out.master_address, out.master_port, out.world_size = d.master_address, d.master_port, d.world_size
+        out.ranks.update(d.ranks)
+        out.group_id, out.deadline_seconds, out.backend = d.group_id, d.deadline_seconds, d.backend
+        out.broadcast_id, out.secret = d.broadcast_id, d.secret
+        out.transfer_floor_s, out.transfer_min_rate_mb_s = d.transfer.floor_s, d.transfer.min_rate_mb_s
 
     # ---- rollout half
     def read_descriptor(self, message: types_pb2.WeightVersion) -> NcclDescriptor:
-        field = message.nccl
-        if not field.master_address or not field.master_port:
+        f = message.nccl
+        if not f.master_address or not f.master_port:
             raise InvalidArgument("weight_version.nccl needs master_address and master_port")
-        if not field.group_id or not field.broadcast_id or field.backend not in ("nccl", "gloo"):
+        if not f.group_id or not f.broadcast_id or f.backend not in ("nccl", "gloo"):
             raise InvalidArgument(
                 "weight_version.nccl needs a group_id, a broadcast_id and backend nccl|gloo, "
-                f"got {field.backend!r}"
+                f"got {f.backend!r}"
             )
-        if not field.deadline_seconds > 0:
-            raise InvalidArgument("weight_version.nccl.deadline_seconds must be > 0")
-        ranks = dict(field.ranks)
-        if any(not 1 <= rank < field.world_size for rank in ranks.values()):
-            raise InvalidArgument(f"weight_version.nccl ranks {ranks} must lie in [1, {field.world_size})")
+        if not f.deadline_seconds > 0 or f.transfer_floor_s < 0 or f.transfer_min_rate_mb_s < 0:
+            raise InvalidArgument("weight_version.nccl deadlines must be > 0")
+        ranks = dict(f.ranks)
+        if any(not 1 <= rank < f.world_size for rank in ranks.values()):
+            raise InvalidArgument(f"weight_version.nccl ranks {ranks} must lie in [1, {f.world_size})")
         return NcclDescriptor(
-            field.master_address, field.master_port, field.world_size, ranks, field.group_id,
-            field.deadline_seconds, field.backend, field.broadcast_id,
+            f.master_address, f.master_port, f.world_size, ranks, f.group_id, f.deadline_seconds, f.backend,
+            f.broadcast_id, f.secret, transfer_deadline(f.transfer_floor_s, f.transfer_min_rate_mb_s),
         )  # fmt: skip
+
+    async def refuse(self, target: StageTarget, reason: str) -> None:
+        """End `target`'s broadcast for its whole group at once (this member will not take part):
+        the learner and the other members stop waiting for it. Best effort, bounded; never raises."""
+        d: NcclDescriptor = target.descriptor
+
+        def write() -> None:
+            abort(d.store(_NOTICE_S), reason)
+
+        try:
+            await asyncio.wait_for(asyncio.to_thread(write), _NOTICE_S + 1)
+        except Exception as exc:
+            log.warning("could not end a refused broadcast", group_id=d.group_id, error=str(exc))
 
     async def stage(self, target: StageTarget, ctx: StageContext) -> Staged:
         d: NcclDescriptor = target.descriptor
-        if ctx.workers is None:
-            raise FailedPrecondition("the nccl transport needs an engine whose workers can receive")
         if ctx.rollout_id not in d.ranks:
             raise FailedPrecondition(
                 f"rollout {ctx.rollout_id!r} is not a member of weight-sync group {d.group_id}"
             )
+        if len(d.secret) != 32 or any(c not in "0123456789abcdef" for c in d.secret):
+            raise InvalidArgument("weight_version.nccl.secret must be 32 lowercase hex digits")
+        if ctx.workers is None:
+            await self.refuse(target, f"{ctx.rollout_id}: its engine has no workers that can receive")
+            raise FailedPrecondition("the nccl transport needs an engine whose workers can receive")
         started = time.perf_counter()
         spec = {
             "version": target.version,
@@ -441,39 +386,63 @@ class NcclTransport(WeightTransport):
             "ranks": d.ranks,
             "first_rank": d.ranks[ctx.rollout_id],
             "deadline_seconds": d.deadline_seconds,
+            "secret": d.secret,
+            "transfer_floor_s": d.transfer.floor_s,
+            "transfer_min_rate_mb_s": d.transfer.min_rate_mb_s,
             **weights.manifest_to_plain(target.manifest),
         }
-        await ctx.workers.call_workers(self.kind, "receive", spec)
-        # a little slack over the workers' own timeouts
-        limit = started + collective_receive_s(d.deadline_seconds, len(target.manifest.buckets)) + 5.0
-        while True:
-            replies = await ctx.workers.call_workers(
-                self.kind, "poll", {"version": target.version, "broadcast_id": d.broadcast_id}
-            )
-            failed = [r for r in replies if r["status"] == "failed"]
-            if failed:
-                first = failed[0]
-                error = _FAILURES.get(first["kind"], Unavailable)
-                raise error(f"receiving weight version {target.version} failed: {first['error']}")
-            if all(r["status"] == "done" for r in replies):
-                break
-            if time.perf_counter() > limit:
-                raise DeadlineExceeded(
-                    f"weight version {target.version} not received within {limit - started:.0f}s "
-                    f"(group {d.group_id})"
+        try:
+            await ctx.workers.call_workers(self.kind, "receive", spec)
+        except BaseException as exc:  # a worker refused or failed before the rendezvous
+            await self.refuse(target, f"{ctx.rollout_id} refused: {type(exc).__name__}: {exc}")
+            await self._cancel(ctx, d.broadcast_id, f"{ctx.rollout_id} refused")
+            raise
+        # a little slack over the workers' own deadlines
+        bound = collective_receive_s(d.deadline_seconds, d.transfer.for_bytes(target.manifest.total_bytes))
+        limit = started + bound + 5.0
+        try:
+            while True:
+                replies = await ctx.workers.call_workers(
+                    self.kind, "poll", {"version": target.version, "broadcast_id": d.broadcast_id}
                 )
-            await asyncio.sleep(_POLL_SECONDS)
+                failed = [r for r in replies if r["status"] == "failed"]
+                if failed:
+                    first = failed[0]
+                    error = _FAILURES.get(first["kind"], Unavailable)
+                    raise error(f"receiving weight version {target.version} failed: {first['error']}")
+                if all(r["status"] == "done" for r in replies):
+                    break
+                if time.perf_counter() > limit:
+                    raise DeadlineExceeded(
+                        f"weight version {target.version} not received within {limit - started:.0f}s "
+                        f"(group {d.group_id})"
+                    )
+                await asyncio.sleep(_POLL_SECONDS)
+        except BaseException as exc:  # failed, past the deadline, or the StageWeights call was cancelled
+            await self._cancel(ctx, d.broadcast_id, f"{ctx.rollout_id} gave up: {type(exc).__name__}")
+            raise
         return CollectiveStaged(
             target.version, target.manifest, (time.perf_counter() - started) * 1e3, d.broadcast_id
         )
 
+    async def _cancel(self, ctx: StageContext, broadcast_id: str, why: str) -> None:
+        """Tell every worker to stop receiving `broadcast_id` (best effort, bounded; never raises)."""
+        assert ctx.workers is not None
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(
+                ctx.workers.call_workers(self.kind, "cancel", {"broadcast_id": broadcast_id, "why": why}),
+                _NOTICE_S,
+            )
+
     # ---- engine half
     def worker_op(self, op: str, spec: dict[str, Any], worker: WorkerContext) -> dict[str, Any]:
-        receiver = worker.state.setdefault("nccl", _Receiver())
+        receiver = worker.state.setdefault("nccl", NcclWorker())
         if op == "receive":
             return receiver.start(spec, worker)
         if op == "poll":
             return receiver.poll(int(spec["version"]), spec["broadcast_id"])
+        if op == "cancel":
+            return receiver.cancel(spec["broadcast_id"], spec.get("why", ""))
         raise InvalidArgument(f"unknown nccl worker operation {op!r}")
 
     def open_tensors(

@@ -237,8 +237,13 @@ async def test_a_receiver_killed_mid_transfer_fails_the_others_within_the_deadli
     await asyncio.wait_for(procs["victim"].wait(), 10)
     sender.join(timeout=60)
     assert not sender.is_alive() and prepared.error and prepared.group.broken
+    # the victim's death ends the broadcast for the survivor: a peer left (Aborted: the survivor
+    # itself is sound), or at worst a deadline ran out
     assert out.decode().startswith(
-        "failed DeadlineExceeded: receiving weight version 1 failed: survivor (rank 1)"
+        (
+            "failed Aborted: receiving weight version 1 failed: survivor (rank 1)",
+            "failed DeadlineExceeded: receiving weight version 1 failed: survivor (rank 1)",
+        )
     ), out
     assert elapsed < 3.0 * 3 + 10  # a few deadlines at most, never a hang
     # the survivor alone gets the next version through a new group

@@ -270,7 +270,7 @@ class CudaIpcTransport(_message.Message):
     def __init__(self, buckets: _Optional[_Iterable[_Union[CudaIpcBucket, _Mapping]]] = ...) -> None: ...
 
 class NcclTransport(_message.Message):
-    __slots__ = ("master_address", "master_port", "world_size", "ranks", "group_id", "deadline_seconds", "backend", "broadcast_id")
+    __slots__ = ("master_address", "master_port", "world_size", "ranks", "group_id", "deadline_seconds", "backend", "broadcast_id", "secret", "transfer_floor_s", "transfer_min_rate_mb_s")
     class RanksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,9 @@ class NcclTransport(_message.Message):
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FLOOR_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MIN_RATE_MB_S_FIELD_NUMBER: _ClassVar[int]
     master_address: str
     master_port: int
     world_size: int
@@ -294,7 +297,10 @@ class NcclTransport(_message.Message):
     deadline_seconds: float
     backend: str
     broadcast_id: str
-    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Mapping[str, int]] = ..., group_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., backend: _Optional[str] = ..., broadcast_id: _Optional[str] = ...) -> None: ...
+    secret: str
+    transfer_floor_s: float
+    transfer_min_rate_mb_s: float
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Mapping[str, int]] = ..., group_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., backend: _Optional[str] = ..., broadcast_id: _Optional[str] = ..., secret: _Optional[str] = ..., transfer_floor_s: _Optional[float] = ..., transfer_min_rate_mb_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointTransport(_message.Message):
     __slots__ = ("path",)

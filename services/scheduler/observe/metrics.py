@@ -91,13 +91,15 @@ class MetricsLog:
             self._step_times.append(time.monotonic())
 
     def status_fields(self) -> dict[str, Any]:
-        """The GetStatus fields taken from the last step row: reward, loss, rates, sync phases."""
+        """The GetStatus fields taken from the last step row: reward, loss, rates, sync phases (a
+        `recovered` row, written from the ledger after a restart, has no loss: 0 until the next)."""
         last = self.last_record
         if not last:
             return {}
+        loss = last.get("loss")
         return {
             "reward_mean": last["reward_mean"],
-            "loss": last["loss"] if math.isfinite(last["loss"]) else 0.0,
+            "loss": loss if isinstance(loss, float) and math.isfinite(loss) else 0.0,
             "steps_per_second": self.steps_per_second(),
             "tokens_per_second": last.get("tokens_per_s", 0.0),
             "sync_ms": tuple(

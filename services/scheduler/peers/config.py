@@ -41,7 +41,7 @@ class TimeoutSettings(BaseModel):
         "commit when the version's size is unknown.",
     )
     transfer: TransferDeadline = Field(
-        default_factory=lambda: TransferDeadline(floor_s=3.0, min_rate_mb_s=50.0),
+        default_factory=lambda: TransferDeadline(floor_s=2.0, min_rate_mb_s=50.0),
         description="A rollout's stage and its commit of a version of `total_bytes`: floor_s + bytes at "
         "min_rate_mb_s (a collective transport's own bound when longer). A rollout that misses it is "
         "dropped from the sync, so a hung one holds training no longer than this; it gets the current "

@@ -21,6 +21,7 @@ from typing import TypeVar
 from services.common.errors import GrpoError, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
 from services.scheduler.peers.clients import RolloutClient
+from services.scheduler.peers.own_pause import PauseWatch
 from services.scheduler.peers.placement import RolloutSlot, choose_rollout
 from services.transports.cuda_ipc_fence import Holder
 
@@ -92,6 +93,7 @@ class RolloutPool:
         self.forget_after = forget_after
         self._closing: set[asyncio.Task] = set()
         self.changed = asyncio.Condition()
+        self.pause_watch = PauseWatch()  # the scheduler's own stillness (run by the orchestrator)
 
     def add(self, address: str, registered: bool = False) -> RolloutHandle:
         """The handle for `address` (created unhealthy; the next refresh finds out its state)."""
@@ -170,11 +172,21 @@ class RolloutPool:
             if h.version_known and h.rollout_id and h.version >= 0
         ]
 
-    async def lost_mid_sync(self, handle: RolloutHandle) -> None:
-        """`handle` did not answer a stage or commit: out of work, and its version uncertain until
-        its state is read again."""
+    async def lost_mid_sync(self, handle: RolloutHandle, started: float) -> None:
+        """`handle` did not answer a stage or commit sent at `started` (monotonic): its version is
+        uncertain until its state is read again, and it is out of work, unless it was the scheduler
+        that stood still meanwhile (then it only waits for its next sync, its groups kept)."""
         handle.version_known = False
+        if self.pause_watch.stood_still_since(started):
+            log.info("sync missed while the scheduler stood still", rollout=handle.name)
+            handle.needs_sync = True
+            return
         await self.mark(handle, healthy=False)
+
+    def silent(self, started: float) -> bool:
+        """A call sent at `started` went unanswered for the callee's fault (not the scheduler's own
+        stillness)."""
+        return not self.pause_watch.stood_still_since(started)
 
     def hold_for_sync(self, handle: RolloutHandle) -> None:
         """No work for `handle` until a later sync succeeds (its last stage or commit failed)."""
@@ -190,9 +202,12 @@ class RolloutPool:
     async def refresh(self, handle: RolloutHandle, current_version: int) -> None:
         """Poll one rollout's state; mark it unhealthy if it does not answer in time. A rollout that
         becomes healthy with weights other than `current_version` must be synced before any work."""
+        started = time.monotonic()
         try:
             info = await handle.client.state()
         except GrpoError as exc:
+            if exc.unreachable and not self.silent(started):
+                return  # the scheduler stood still, not the rollout: ask again next round
             if handle.healthy:
                 log.warning("rollout unreachable", address=handle.address, error=str(exc))
             await self.mark(handle, healthy=False)

@@ -159,21 +159,24 @@ class WeightSyncer:
         version: int,
     ) -> list[RolloutHandle]:
         """Run `call` on every handle at once; those that fail are dropped from the sync."""
+        started = time.monotonic()
         results = await asyncio.gather(*(call(h) for h in handles), return_exceptions=True)
         ok = []
         for handle, result in zip(handles, results, strict=True):
             if isinstance(result, GrpoError):
-                await self._drop(handle, version, phase, result)
+                await self._drop(handle, version, phase, result, started)
             elif isinstance(result, BaseException):
                 raise result
             else:
                 ok.append(handle)
         return ok
 
-    async def _drop(self, handle: RolloutHandle, version: int, phase: str, exc: GrpoError) -> None:
+    async def _drop(
+        self, handle: RolloutHandle, version: int, phase: str, exc: GrpoError, started: float
+    ) -> None:
         log.warning("weight sync failed on rollout", rollout=handle.name, phase=phase, error=str(exc))
         if exc.unreachable:
-            await self._pool.lost_mid_sync(handle)
+            await self._pool.lost_mid_sync(handle, started)
             return
         self._pool.hold_for_sync(handle)
         try:
@@ -201,6 +204,7 @@ class WeightSyncer:
         scores with the rollouts, at once (one round trip, not one per rollout); answers are judged in
         `rollouts` order.
         """
+        started = time.monotonic()
         rollout_scores = [handle.client.score_tokens(sequence) for handle in rollouts]
         if learner is None:
             first, *answers = await asyncio.gather(
@@ -215,7 +219,8 @@ class WeightSyncer:
         for handle, got in zip(rollouts, answers, strict=True):
             if isinstance(got, GrpoError) and got.unreachable:
                 log.warning("probe skipped: rollout unreachable", rollout=handle.name, error=str(got))
-                await self._pool.mark(handle, healthy=False)
+                if self._pool.silent(started):  # (not when the scheduler itself stood still)
+                    await self._pool.mark(handle, healthy=False)
                 continue
             if isinstance(got, BaseException):
                 raise got

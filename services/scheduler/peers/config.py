@@ -25,7 +25,7 @@ class TimeoutSettings(BaseModel):
         "of work, its groups given to others, until it answers again.",
     )
     probe: float = Field(
-        default=5.0,
+        default=2.0,
         gt=0,
         description="A rollout's answer to the alignment probe after a sync; one that does not answer in "
         "time is taken out of work and probed after its next sync.",

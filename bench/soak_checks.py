@@ -7,7 +7,7 @@ after a learner rewind and a `recovered` step are step rows too); their `time` (
 the same clock.
 
 The stall of a fault: the longest gap between consecutive completed steps that overlaps the fault's
-window (a freeze: SIGSTOP to SIGCONT; a kill: the instant it was sent), minus the median step
+window (a freeze: SIGSTOP to SIGCONT; a kill: the minute after it was sent), minus the median step
 interval of the 20 steps before the fault (the run's pace just then; floored at 0). The run's end
 (the launcher's exit) closes the last gap, so a run that never trained again after a fault shows its
 whole remaining time as the stall. Bounds: a frozen
@@ -134,6 +134,9 @@ def baseline_interval(times: Sequence[float], before: float, window: int = BASEL
     return median_interval(earlier) if len(earlier) > 3 else median_interval(times)
 
 
+KILL_WINDOW_S = 60.0  # how long after a kill its stall is looked for (kills are reported, not judged)
+
+
 def judge_faults(
     faults: Sequence[dict[str, Any]], times: Sequence[float], run_end: float, slack: float
 ) -> list[dict[str, Any]]:
@@ -141,7 +144,10 @@ def judge_faults(
     `verdict` (ok, FAIL, report) and the `baseline_s` step interval its stall is measured against."""
     judged = []
     for fault in faults:
-        gap = longest_gap(times, fault["start"], fault["end"], run_end)
+        # a kill's cost shows after it: the rows of steps trained before it are still being written,
+        # and the replacement's start (and a learner's rewind) come later
+        end = fault["end"] + (KILL_WINDOW_S if fault["kind"] == "kill" else 0.0)
+        gap = longest_gap(times, fault["start"], end, run_end)
         median = baseline_interval(times, fault["start"])
         stall = max(0.0, gap - median)
         limit = bound(fault["service"], fault["kind"], fault["freeze_s"], slack)

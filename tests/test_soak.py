@@ -239,3 +239,12 @@ def test_a_shared_memory_segment_in_use_is_attributed_to_its_process() -> None:
         segment.close()
         segment.unlink()
     assert segment.name.lstrip("/") not in shm_in_use(os.getpid())
+
+
+def test_a_kills_stall_is_the_gap_after_it() -> None:
+    """The rows of steps trained before a kill are still written after it; its cost is the gap that
+    follows (here 12 s: the learner's restart and rewind)."""
+    times = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 13.0, 13.2, 13.4]
+    kill = {"service": "learner", "kind": "kill", "start": 0.5, "end": 0.5, "freeze_s": 0.0}
+    (judged,) = judge_faults([kill], times, run_end=14.0, slack=5.0)
+    assert judged["verdict"] == "report" and judged["stall_s"] == 11.8

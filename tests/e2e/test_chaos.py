@@ -25,26 +25,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.e2e.runs import audit, rows, trained_step
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = 24
 KILLS = [(3, "rollout"), (7, "learner"), (12, "scheduler"), (17, "env")]
 RUN_LIMIT_S = 540  # a hard bound: the test can never hang CI
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):  # the line being written
-            rows.append(json.loads(line))
-    return rows
-
-
-def _step(run_dir: Path) -> int:
-    return max((r["step"] for r in _rows(run_dir) if "reward_mean" in r), default=0)
 
 
 def _service(launcher: psutil.Process, name: str) -> psutil.Process | None:
@@ -78,14 +65,14 @@ def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: 
             assert time.monotonic() - started < RUN_LIMIT_S, "the run did not finish in time"
             for child in parent.children(recursive=True):
                 seen.add(child)
-            if pending and _step(run_dir) >= pending[0][0]:
+            if pending and trained_step(run_dir) >= pending[0][0]:
                 name = pending[0][1]
                 victim = _service(parent, name)
                 if victim is not None:
                     if name == "rollout":
                         engine_children = victim.children(recursive=True)
                     victim.send_signal(signal.SIGKILL)  # this process only: its children are on their own
-                    killed.append((name, _step(run_dir)))
+                    killed.append((name, trained_step(run_dir)))
                     pending.pop(0)
             time.sleep(0.2)
         output = (tmp_path / "launcher.log").read_text()
@@ -109,7 +96,7 @@ def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: 
 
     # versions advance by one per step; a learner rewind is announced by its own row
     expected = 1
-    for row in _rows(run_dir):
+    for row in rows(run_dir):
         if row.get("event") == "learner_rewind":
             expected = row["weight_version"] + 1
         elif "reward_mean" in row:
@@ -117,16 +104,9 @@ def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: 
             expected += 1
     assert expected == STEPS + 1
 
-    audit = subprocess.run(
-        [sys.executable, "-m", "services", "audit", str(run_dir)],  # = grpo-mesh audit
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    counts = dict(line.split() for line in audit.stdout.splitlines()[1:-1])
+    audit_output, counts = audit(run_dir)
     assert int(counts["steps"]) == STEPS and int(counts["batches"]) == STEPS
     assert int(counts["groups_trained"]) == STEPS * 8
     assert int(counts["scheduler_starts"]) == 2 and int(counts["learner_restarts"]) == 1
     assert "security: mutual TLS + bearer token" in output
-    print(output[-3000:], audit.stdout, killed)
+    print(output[-3000:], audit_output, killed)

@@ -26,6 +26,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.e2e.runs import audit, rows, trained_step
+
 pytestmark = [pytest.mark.slow]
 
 STEPS = 36
@@ -39,21 +41,6 @@ DEADLINES = {  # each well under FREEZE_S
     "GRPO_SCHEDULER__TIMEOUTS__SCORE": "2",
     "GRPO_SCHEDULER__TIMEOUTS__TRANSFER__FLOOR_S": "2",
 }
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):  # the line being written
-            rows.append(json.loads(line))
-    return rows
-
-
-def _step(run_dir: Path) -> int:
-    return max((r["step"] for r in _rows(run_dir) if "reward_mean" in r), default=0)
 
 
 def _service(launcher: psutil.Process, name: str) -> psutil.Process:
@@ -91,16 +78,16 @@ def test_a_run_waits_for_frozen_peers_and_trains_past_a_frozen_rollout(
     started = time.monotonic()
     try:
         for at, name in FREEZES:
-            while _step(run_dir) < at:
+            while trained_step(run_dir) < at:
                 assert launcher.poll() is None, "the launcher exited before the freezes"
                 assert time.monotonic() - started < RUN_LIMIT_S, "the run did not reach its freezes in time"
                 seen.update(parent.children(recursive=True))
                 time.sleep(0.2)
             victim = _service(parent, name)
             _signal_tree(victim, signal.SIGSTOP)
-            before = _step(run_dir)
+            before = trained_step(run_dir)
             time.sleep(FREEZE_S)
-            during = _step(run_dir)
+            during = trained_step(run_dir)
             _signal_tree(victim, signal.SIGCONT)
             frozen.append((name, before, during))
         while launcher.poll() is None:
@@ -123,19 +110,12 @@ def test_a_run_waits_for_frozen_peers_and_trains_past_a_frozen_rollout(
     assert rollout_during >= rollout_before + 2, f"training waited for the frozen rollout: {frozen}"
 
     expected = 1
-    for row in _rows(run_dir):
+    for row in rows(run_dir):
         if "reward_mean" in row:
             assert row["weight_version"] == expected, row
             assert row["logprob_abs_diff_max"] <= 1e-4, row
             expected += 1
     assert expected == STEPS + 1
 
-    audit = subprocess.run(
-        [sys.executable, "-m", "services", "audit", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    counts = dict(line.split() for line in audit.stdout.splitlines()[1:-1])
-    assert int(counts["steps"]) == STEPS and int(counts["scheduler_starts"]) == 1
+    _, counts = audit(run_dir)
+    assert counts["steps"] == STEPS and counts["scheduler_starts"] == 1

@@ -13,7 +13,6 @@ every step, and pass `grpo-mesh audit`.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sqlite3
@@ -26,6 +25,7 @@ import psutil
 import pytest
 
 from services.scheduler.ledger.store import FILE_NAME, read_ledger
+from tests.e2e.runs import audit, trained_step
 
 pytestmark = [pytest.mark.slow]
 
@@ -33,17 +33,6 @@ STEPS = 10
 COPY_AT = 3  # the ledger copied once metrics.jsonl shows this step
 AHEAD = 3  # steps trained after what the copy accounts for, before the power goes
 PHASE_LIMIT_S = 420  # a hard bound per phase: the test can never hang CI
-
-
-def _step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    steps = [0]
-    for line in path.read_text().splitlines() if path.exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):  # the line being written
-            row = json.loads(line)
-            if "reward_mean" in row:
-                steps.append(row["step"])
-    return max(steps)
 
 
 def _demo(run_dir: Path, model: Path, log: Path, *extra: str) -> subprocess.Popen:
@@ -102,12 +91,14 @@ def test_a_run_survives_a_power_loss_that_takes_the_ledgers_last_writes(
     seen: set[psutil.Process] = set()
     launcher = _demo(run_dir, tiny_model_dir, log)
     try:
-        _wait(launcher, lambda: _step(run_dir) >= COPY_AT, f"step {COPY_AT}")
+        _wait(launcher, lambda: trained_step(run_dir) >= COPY_AT, f"step {COPY_AT}")
         _copy_ledger(run_dir, copy_dir / FILE_NAME)
         known = max(read_ledger(copy_dir).batches) + 1  # steps the copy accounts for
         _wait(
             launcher,
-            lambda: _step(run_dir) >= known + AHEAD and max(_checkpoint_steps(run_dir), default=0) > known,
+            lambda: (
+                trained_step(run_dir) >= known + AHEAD and max(_checkpoint_steps(run_dir), default=0) > known
+            ),
             f"step {known + AHEAD}",
         )
         _kill_all(launcher, seen)  # the power goes
@@ -132,14 +123,7 @@ def test_a_run_survives_a_power_loss_that_takes_the_ledgers_last_writes(
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError, PermissionError):
                 process.send_signal(signal.SIGKILL)
 
-    audit = subprocess.run(
-        [sys.executable, "-m", "services", "audit", str(run_dir)],  # = grpo-mesh audit
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    counts = dict(line.split() for line in audit.stdout.splitlines()[1:-1])
+    audit_output, counts = audit(run_dir)
     assert int(counts["steps"]) == STEPS and int(counts["groups_trained"]) == STEPS * 4
     snapshot = read_ledger(run_dir)
     restores = [detail for kind, _, detail in snapshot.events if kind == "learner_restore"]
@@ -147,4 +131,4 @@ def test_a_run_survives_a_power_loss_that_takes_the_ledgers_last_writes(
     assert len(restores) == 1 and known - 2 < restores[0]["to_step"] <= known < restores[0]["from_step"]
     rewinds = [detail for kind, _, detail in snapshot.events if kind == "learner_rewind"]
     assert rewinds and rewinds[0]["from_version"] >= restores[0]["from_step"], rewinds
-    print(audit.stdout, restores, rewinds)
+    print(audit_output, restores, rewinds)

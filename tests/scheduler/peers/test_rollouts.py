@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 
-from services.common.errors import ResourceExhausted
-from services.scheduler.peers.rollouts import RolloutPool
+from grpo.common.v1 import types_pb2
+from services.common.errors import ResourceExhausted, Unavailable
+from services.scheduler.peers.clients import Sampling
+from services.scheduler.peers.rollouts import RolloutHandle, RolloutPool, abandonable
 from tests.scheduler.fakes import FakeRollout
 
 
@@ -82,28 +84,25 @@ async def test_the_pool_is_bounded_and_forgets_dead_registrations() -> None:
     assert [h.address for h in pool.healthy()] == ["r3"]
 
 
-async def test_a_rollout_taken_out_of_work_gives_up_its_generation_calls() -> None:
-    """A frozen rollout holds its groups until its call's deadline unless the pool lets them go when
-    it takes the rollout out of work (a missed stage, probe or health poll)."""
-    from grpo.common.v1 import types_pb2
-    from services.common.errors import Unavailable
-    from services.scheduler.peers.clients import Sampling
-    from services.scheduler.peers.rollouts import abandonable
-
-    frozen = FakeRollout("frozen", gate=asyncio.Event())  # generation never ends
-    pool = _pool(frozen)
+async def _generating(name: str) -> tuple[RolloutPool, RolloutHandle, asyncio.Task]:
+    """A pool of one rollout whose generation never ends, and a generation call in flight on it."""
+    rollout = FakeRollout(name, gate=asyncio.Event())
+    pool = _pool(rollout)
     await pool.refresh_all(current_version=0)
     handle = pool.handles()[0]
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=4)
     call = asyncio.create_task(
-        abandonable(
-            handle,
-            handle.client.generate(
-                "g1", types_pb2.Prompt(id="p"), Sampling(n=2, temperature=1.0, max_tokens=4)
-            ),
-        )
+        abandonable(handle, handle.client.generate("g1", types_pb2.Prompt(id="p"), sampling))
     )
     await asyncio.sleep(0.01)
     assert not call.done() and len(handle.generating) == 1
+    return pool, handle, call
+
+
+async def test_a_rollout_taken_out_of_work_gives_up_its_generation_calls() -> None:
+    """A frozen rollout holds its groups until its call's deadline unless the pool lets them go when
+    it takes the rollout out of work (a missed stage, probe or health poll)."""
+    pool, handle, call = await _generating("frozen")
     await pool.mark(handle, healthy=False)
     with pytest.raises(Unavailable, match="rollout frozen stopped answering"):
         await asyncio.wait_for(call, 5)
@@ -111,23 +110,7 @@ async def test_a_rollout_taken_out_of_work_gives_up_its_generation_calls() -> No
 
 
 async def test_cancelling_the_caller_is_not_mistaken_for_a_lost_rollout() -> None:
-    from grpo.common.v1 import types_pb2
-    from services.scheduler.peers.clients import Sampling
-    from services.scheduler.peers.rollouts import abandonable
-
-    slow = FakeRollout("slow", gate=asyncio.Event())
-    pool = _pool(slow)
-    await pool.refresh_all(current_version=0)
-    handle = pool.handles()[0]
-    call = asyncio.create_task(
-        abandonable(
-            handle,
-            handle.client.generate(
-                "g1", types_pb2.Prompt(id="p"), Sampling(n=2, temperature=1.0, max_tokens=4)
-            ),
-        )
-    )
-    await asyncio.sleep(0.01)
+    _, handle, call = await _generating("slow")
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call

@@ -28,6 +28,7 @@ import datetime
 import hashlib
 import hmac
 import ipaddress
+import math
 import socket
 import threading
 import time
@@ -387,6 +388,13 @@ def close_group(group: dist.ProcessGroup | None) -> None:
 # ---------------------------------------------------------------------------------------------- transfer
 
 
+def wait_slice(remaining: float) -> datetime.timedelta:
+    """One wait of a bucket: at most `_SLICE_S`, in whole milliseconds and at least one. c10d truncates
+    a wait's timeout to milliseconds and reads 0 as "no timeout" (the collective's own, 20-60 s): the
+    last fraction of a millisecond before a deadline would otherwise wait for that instead."""
+    return datetime.timedelta(milliseconds=max(1, math.ceil(min(_SLICE_S, remaining) * 1e3)))
+
+
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, deadline: float, stop: Stop) -> None:
     """Broadcast `tensor` from rank 0, in place on the others. Raises TransferTimeout once
     `time.monotonic()` passes `deadline`, BroadcastAborted as soon as `stop` says why."""
@@ -398,7 +406,7 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, deadline: float, s
         if remaining <= 0:
             raise TransferTimeout("the broadcast did not finish within its transfer deadline")
         try:
-            work.wait(datetime.timedelta(seconds=min(_SLICE_S, remaining)))
+            work.wait(wait_slice(remaining))
             return
         except RuntimeError:
             if work.is_completed():  # the collective itself failed (a peer left, its own timeout)

@@ -29,6 +29,7 @@ from services.transports.process_group import (
     open_group,
     roll_call,
     serve_store,
+    wait_slice,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -220,3 +221,22 @@ def test_the_store_listens_only_on_the_address_it_is_served_at(store_port) -> No
     with pytest.raises(OSError):
         socket.create_connection((outside, store_port), timeout=2).close()
     socket.create_connection(("127.0.0.1", store_port), timeout=2).close()
+
+
+def test_a_bucket_wait_with_under_a_millisecond_left_still_ends_at_once(store_port) -> None:
+    """c10d truncates a wait's timeout to milliseconds and reads 0 as "no timeout": a last slice of
+    under a millisecond waited for Gloo's own 20 s timeout (the bucket-wait test above failed 2 runs
+    of 8 beside two CPU hogs). `wait_slice` never asks for less than 1 ms."""
+    results = _members(store_port, "sub-ms", [0, 1], 2, 20.0)
+    learner, member = results[0], results[1]
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    work = member.broadcast([torch.zeros(4)], options)  # the learner never sends
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out"):
+        work.wait(wait_slice(0.0004))
+    assert not work.is_completed()  # our slice ended, not the collective (its 20 s timeout)
+    assert time.monotonic() - started < 10.0
+    assert wait_slice(5.0) == datetime.timedelta(milliseconds=250)
+    close_group(member)
+    close_group(learner)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -38,3 +42,13 @@ def audit(run_dir: Path) -> tuple[str, dict[str, int]]:
     return done.stdout, {
         name: int(n) for name, n in (line.split() for line in done.stdout.splitlines()[1:-1])
     }
+
+
+def kill_what_is_left(launcher: subprocess.Popen, seen: set[psutil.Process]) -> None:
+    """After a run, passed or failed: SIGKILL the launcher's group if it still runs, and every process
+    group seen under it (ours, by pid; never by name)."""
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    for process in seen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)

@@ -13,9 +13,7 @@ little from run to run; every phase is exercised by the deterministic tests in t
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -25,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.runs import audit, rows, trained_step
+from tests.e2e.runs import audit, kill_what_is_left, rows, trained_step
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -78,11 +76,7 @@ def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: 
         output = (tmp_path / "launcher.log").read_text()
         assert launcher.returncode == 0, output[-4000:]
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        for process in seen:  # whatever is left after a failure: ours, by pid
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
+        kill_what_is_left(launcher, seen)
         log.close()
 
     assert [name for name, _ in killed] == [name for _, name in KILLS], killed

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.runs import audit, rows, trained_step
+from tests.e2e.runs import audit, kill_what_is_left, rows, trained_step
 
 pytestmark = [pytest.mark.slow]
 
@@ -97,11 +97,7 @@ def test_a_run_waits_for_frozen_peers_and_trains_past_a_frozen_rollout(
         output = (tmp_path / "launcher.log").read_text()
         assert launcher.returncode == 0, output[-4000:]
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        for process in seen:  # whatever is left after a failure: ours, by pid
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
+        kill_what_is_left(launcher, seen)
         log.close()
 
     summary = json.loads((run_dir / "summary.json").read_text())

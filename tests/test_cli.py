@@ -27,6 +27,7 @@ MINIMAL: dict[str, list[str]] = {
     "serve rollout": ["rollout", "--model", "m"],
     "serve learner": ["learner", "--model", "m"],
     "serve scheduler": ["scheduler"],
+    "serve gateway": ["gateway", "--rollouts", "127.0.0.1:50052"],
     "status": [],
     "audit": ["runs/demo"],
     "check-env": ["arithmetic"],
@@ -109,7 +110,7 @@ def test_serve_without_a_service_lists_them(capsys: pytest.CaptureFixture[str]) 
     err = capsys.readouterr().err.strip().splitlines()
     assert (
         err[-1]
-        == "grpo-mesh serve: error: unknown service 'trainer' (choose from env, rollout, learner, scheduler)"
+        == "grpo-mesh serve: error: unknown service 'trainer' (choose from env, rollout, learner, scheduler, gateway)"
     )
 
 

@@ -17,6 +17,19 @@ Options are a pydantic model: write `class MyEnv(Environment[MyOptions])` and `s
 `MyOptions` (and `Options` is taken from the type parameter); the older `Options: ClassVar[...] = X`
 form on an unparametrised subclass works too.
 
+A **multi-turn** environment (tools, feedback, a simulated user) adds one stateless method:
+`respond(prompt, transcript)` answers the model's latest turn, given everything said after the prompt
+(`transcript`: assistant, tool and user messages as dicts), with a `Reply`: messages to append, or
+`done`. The transcript is the whole state, so any scoring worker can answer any turn of any episode
+and an environment killed mid-episode loses nothing. The default `respond` runs the tool calls of the
+model's last message (`tools()`: Python callables with type hints; `services/env/tools/`) and returns
+their results, and ends the episode when the model calls no tool. `max_turns` bounds the model turns
+(1 = single-turn: `respond` is never called). The episode is scored on its final transcript:
+`score_episodes(prompt, transcripts)`, by default `score` on each final assistant message's text, so a
+single-turn environment is the one-turn case of the same path. The framework owns the tokens: it
+appends the environment's messages as tokens after the model's sampled ones and never re-renders the
+conversation (docs/agents.md).
+
 Optional hooks: `setup()` (load data, runs in the service), `setup_scorer()` (runs once in each
 scoring worker), `evaluate(results)` (extra eval metrics), `reference_completion`/`wrong_answers`
 (used by `grpo-mesh check-env`), `options_dict()` (what DescribeEnvironment shows).
@@ -28,11 +41,13 @@ import inspect
 import math
 import numbers
 import typing
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict
+
+from services.env.turns import Message, Reply, final_text
 
 SplitName = Literal["train", "eval"]
 SPLITS: tuple[SplitName, ...] = ("train", "eval")
@@ -150,6 +165,14 @@ class Environment(Generic[OptionsT]):
     reward_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
     # A completion with reward >= this counts as solved (accuracy and pass@k in evaluation).
     success_threshold: ClassVar[float] = 1.0
+    # Multi-turn: model turns per episode (1 = single-turn; an option named `max_turns` overrides it),
+    # the deadline of one `respond` (tools included), of a tool call, of a whole episode (0 = none),
+    # and the episode's token budget after the prompt (0 = the rollout's max_tokens per turn only).
+    max_turns: ClassVar[int] = 1
+    respond_timeout: ClassVar[float] = 30.0
+    tool_timeout: ClassVar[float] = 10.0
+    episode_timeout: ClassVar[float] = 0.0
+    max_episode_tokens: ClassVar[int] = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -176,6 +199,34 @@ class Environment(Generic[OptionsT]):
     def options_dict(self) -> dict[str, Any]:
         """The resolved options, for DescribeEnvironment and logs."""
         return self.options.model_dump(mode="json")
+
+    @property
+    def turn_limit(self) -> int:
+        """Model turns per episode: the `max_turns` option when the env has one, else the class's."""
+        return int(getattr(self.options, "max_turns", type(self).max_turns))
+
+    # ----------------------------------------------------------------- multi-turn (runs in a worker process)
+    def tools(self) -> Sequence[Callable[..., Any]]:
+        """Tools the model may call: Python callables with type hints and a docstring (their JSON schema
+        is built from them and rendered into the prompt by the chat template). Default: none."""
+        return ()
+
+    async def respond(self, prompt: PromptItem, transcript: list[Message]) -> Reply:
+        """The environment's answer to the model's last turn (`transcript[-1]`, an assistant message).
+
+        Default: run the tool calls in it and return one tool message per call (a malformed or failing
+        call becomes an error message the model reads, never an exception); no tool call ends the
+        episode. Override for feedback turns or a simulated user; call `run_tools` for the tool part.
+        """
+        from services.env.episodes import run_tools  # the toolbox is imported only where tools run
+
+        return await run_tools(self, transcript)
+
+    async def score_episodes(
+        self, prompt: PromptItem, transcripts: Sequence[Sequence[Message]]
+    ) -> list[Score | float | None]:
+        """One score per episode. Default: `score` on each episode's final assistant text."""
+        return await self.score(prompt, [final_text(t) for t in transcripts])
 
     # ----------------------------------------------------------------- prompt source
     def split_size(self, split: SplitName) -> int:

@@ -21,20 +21,22 @@ was typed.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TextIO
+from typing import Any, Literal, TextIO
 
 from pydantic import Field
 from pydantic_settings import CliPositionalArg
 
 from services.common.config import CommandSettings, parse_cli
 from services.common.errors import FailedPrecondition
-from services.env.base import PromptItem, Score, SplitName
+from services.env.base import Environment, Message, PromptItem, Reply, Score, Scorer, SplitName, final_text
 from services.env.config import EnvRecipeFields
 from services.env.cursor import PromptCursor
 from services.env.loader import EnvLoadError, EnvRecipe, load_environment, load_recipe
-from services.env.scoring import ScoringPool
+from services.env.scoring import ScoringPool, validate_scores
 
 PROG = "grpo-mesh check-env"
 
@@ -64,6 +66,7 @@ def _short_flag(arg: str) -> str:
 @dataclass
 class CheckReport:
     rows: list[tuple[str, str, str, str]] = field(default_factory=list)
+    episode_rows: list[tuple[str, str, str, str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -143,13 +146,172 @@ async def run_check(recipe: EnvRecipe, n: int, split: SplitName, score_timeout: 
                 report.rows[-1] = (*report.rows[-1][:3], wrong_cell + "  <-- PROBLEM")
     finally:
         await pool.close()
+    if env.turn_limit > 1:
+        await check_episodes(env, scorer, prompts, score_timeout, report)
     return report
 
 
+# --------------------------------------------------------------------------- multi-turn episodes
+
+
+@dataclass
+class Episode:
+    """A scripted episode as played: its transcript and what the environment's replies said."""
+
+    transcript: list[Message] = field(default_factory=list)
+    turn_reward: float = 0.0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_error_texts: list[str] = field(default_factory=list)
+    ended: bool = False  # `done` or the turn limit came before the script ran out
+    unplayed: int = 0  # scripted turns after the episode had ended
+    problem: str = ""  # respond raised or overran
+
+
+def scripted_episodes(
+    env: Environment[Any], scorer: Scorer, item: PromptItem
+) -> tuple[list[str], list[list[str]]]:
+    """The reference episode and the wrong ones: the env's hooks, else one-turn episodes."""
+    reference_hook = getattr(env, "reference_episode", None)
+    wrong_hook = getattr(env, "wrong_episodes", None)
+    reference = (
+        list(reference_hook(item)) if callable(reference_hook) else [scorer.reference_completion(item)]
+    )
+    if callable(wrong_hook):
+        wrong = [list(turns) for turns in wrong_hook(item)]
+    else:
+        wrong = [[text] for text in scorer.wrong_answers(item)]
+    return reference, wrong
+
+
+async def _respond(env: Environment[Any], item: PromptItem, transcript: list[Message]) -> Reply:
+    result: Any = env.respond(item, [dict(m) for m in transcript])
+    if inspect.isawaitable(result):
+        result = await asyncio.wait_for(result, env.respond_timeout)
+    if not isinstance(result, Reply):
+        raise TypeError(f"respond returned {type(result).__name__}, expected a Reply")
+    return result
+
+
+async def play_episode(env: Environment[Any], item: PromptItem, turns: Sequence[str]) -> Episode:
+    """Play the scripted assistant turns through `respond`, as the scheduler drives an episode."""
+    episode = Episode()
+    limit = env.turn_limit
+    for number, text in enumerate(turns, start=1):
+        episode.transcript.append({"role": "assistant", "content": text})
+        if number >= limit:
+            episode.ended = True
+        else:
+            try:
+                reply = await _respond(env, item, episode.transcript)
+            except TimeoutError:
+                episode.problem = (
+                    f"respond ran past respond_timeout={env.respond_timeout:g}s at turn {number}"
+                )
+                return episode
+            except Exception as exc:
+                episode.problem = f"respond raised at turn {number}: {type(exc).__name__}: {exc}"
+                return episode
+            episode.turn_reward += reply.reward or 0.0
+            episode.tool_calls += reply.tool_calls
+            episode.tool_errors += reply.tool_errors
+            if reply.tool_errors:
+                episode.tool_error_texts += [str(m.get("content", "")) for m in reply.messages]
+            episode.transcript.extend(dict(m) for m in reply.messages)
+            episode.ended = reply.done
+        if episode.ended:
+            episode.unplayed = len(turns) - number
+            break
+    return episode
+
+
+async def score_played(
+    env: Environment[Any], scorer: Scorer, item: PromptItem, episodes: list[Episode], score_seconds: float
+) -> list[Score]:
+    """Scores of the episodes' final transcripts (`score_episodes`, per-turn rewards added), validated."""
+    transcripts = [e.transcript for e in episodes]
+    try:
+        if scorer is env:
+            raw = await asyncio.wait_for(env.score_episodes(item, transcripts), score_seconds)
+        else:  # reward functions score the final texts
+            raw = await asyncio.wait_for(
+                scorer.score(item, [final_text(t) for t in transcripts]), score_seconds
+            )
+    except TimeoutError:
+        return [Score(reward=None, failure=f"timeout: scoring ran past {score_seconds:g}s")] * len(episodes)
+    except Exception as exc:
+        return [Score(reward=None, failure=f"exception: {type(exc).__name__}: {exc}")] * len(episodes)
+    scores = validate_scores(raw, len(episodes), scorer.reward_range)
+    for score, episode in zip(scores, episodes, strict=True):
+        if score.reward is not None and not score.failure:
+            score.reward += episode.turn_reward
+    return scores
+
+
+async def check_episodes(
+    env: Environment[Any],
+    scorer: Scorer,
+    prompts: list[PromptItem],
+    score_seconds: float,
+    report: CheckReport,
+) -> None:
+    """Play and score each prompt's scripted episodes; record problems and one table row per prompt."""
+    if list(env.tools()):
+        try:
+            from services.env.episodes import tools_json
+
+            tools_json(env)
+        except Exception as exc:
+            report.problems.append(f"the tools' schemas do not build: {type(exc).__name__}: {exc}")
+    threshold = scorer.success_threshold
+    for item in prompts:
+        reference, wrong = scripted_episodes(env, scorer, item)
+        if len(reference) > env.turn_limit:
+            report.problems.append(
+                f"{item.id}: the reference episode has {len(reference)} turns, max_turns is {env.turn_limit}"
+            )
+        played = [await play_episode(env, item, turns) for turns in [reference, *wrong]]
+        scores = await score_played(env, scorer, item, played, score_seconds)
+        problems: list[str] = []
+        for index, (turns, episode, score) in enumerate(
+            zip([reference, *wrong], played, scores, strict=True)
+        ):
+            name = (
+                "the reference episode" if index == 0 else f"wrong episode {_short(' | '.join(turns), 60)!r}"
+            )
+            if episode.problem:
+                problems.append(f"{name}: {episode.problem}")
+            if episode.unplayed:
+                problems.append(f"{name} ended with {episode.unplayed} scripted turn(s) left unplayed")
+            if score.failure or score.reward is None:
+                problems.append(f"scoring {name} failed: {score.failure}")
+            elif index == 0 and score.reward < threshold:
+                problems.append(f"{name} scored {score.reward:g} (< success threshold {threshold:g})")
+            elif index > 0 and score.reward >= threshold:
+                problems.append(f"{name} scored {score.reward:g} (>= success threshold {threshold:g})")
+        if played[0].tool_errors:
+            problems.append(f"the reference episode's tool calls failed: {played[0].tool_error_texts}")
+        if not played[0].ended and not played[0].problem:
+            problems.append("the reference episode did not end (no `done` before its script ran out)")
+        report.problems += [f"{item.id}: {p}" for p in problems]
+        wrong_cell = ", ".join(_fmt(s) for s in scores[1:]) + ("  <-- PROBLEM" if problems else "")
+        ref_cell = f"{len(reference)} turns, {played[0].tool_calls} tool calls"
+        report.episode_rows.append((_short(_prompt_text(item)), ref_cell, _fmt(scores[0]), wrong_cell))
+
+
 def print_table(report: CheckReport, out: TextIO | None = None) -> None:
+    _print_rows(report.rows, ("prompt", "reference", "ref reward", "wrong-answer rewards"), out)
+    if report.episode_rows:
+        print(file=out or sys.stdout)
+        header = ("prompt", "reference episode", "ref reward", "wrong-episode rewards")
+        _print_rows(report.episode_rows, header, out)
+
+
+def _print_rows(
+    rows_in: list[tuple[str, str, str, str]], header: tuple[str, ...], out: TextIO | None
+) -> None:
     out = out or sys.stdout
-    header = ("prompt", "reference", "ref reward", "wrong-answer rewards")
-    rows = [header, *report.rows]
+    rows = [header, *rows_in]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for index, row in enumerate(rows):
         print(
@@ -180,5 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         for problem in report.problems:
             print(f"  - {problem}", file=sys.stderr)
         return 1
-    print(f"\nOK: {len(report.rows)} prompts, references score >= threshold, wrong answers below it.")
+    episodes = f", {len(report.episode_rows)} scripted episode sets played" if report.episode_rows else ""
+    print(
+        f"\nOK: {len(report.rows)} prompts{episodes}, references score >= threshold, wrong answers below it."
+    )
     return 0

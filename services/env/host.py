@@ -16,17 +16,18 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.logging import get_logger
-from services.env.base import GroupResult, PromptItem, Score, SplitName
+from services.env.base import GroupResult, Message, PromptItem, Reply, Score, SplitName, failure
 from services.env.chat import apply_format
 from services.env.config import EnvSettings
 from services.env.cursor import Draw, PromptCursor
+from services.env.episodes import tools_json
 from services.env.evaluation import eval_metrics
-from services.env.loader import LoadedEnv, load_recipe
+from services.env.loader import EnvLoadError, LoadedEnv, load_recipe
 from services.env.scoring import ScoringPool
 
 log = get_logger(__name__)
@@ -44,11 +45,14 @@ class ScoredGroupOutcome:
 
 @dataclass
 class ScoreJob:
-    """One group to score: the prompt as served and the completion texts."""
+    """One group to score: the prompt as served and the completion texts; for episodes also their
+    transcripts (scored through `score_episodes`) and each one's failure ("" = it ended normally)."""
 
     prompt: PromptItem
     completions: list[str]
     completion_prompt_ids: list[str]
+    transcripts: list[list[Message]] | None = None
+    failures: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -58,6 +62,7 @@ class _Hosted:
     loaded: LoadedEnv
     cursor: PromptCursor
     pool: ScoringPool
+    tools_json: str = ""
 
 
 class EnvHost:
@@ -84,8 +89,13 @@ class EnvHost:
             max_pending=s.max_pending_scores,
             reward_range=(s.reward_min, s.reward_max),
         )
+        try:
+            tools = await asyncio.to_thread(tools_json, loaded.env)  # checks every tool's schema
+        except Exception as exc:
+            await pool.close()
+            raise EnvLoadError(f"environment {loaded.env.name!r} has a bad tool: {exc}") from exc
         await pool.start()
-        self._hosted = _Hosted(loaded, PromptCursor(loaded.env), pool)
+        self._hosted = _Hosted(loaded, PromptCursor(loaded.env), pool, tools)
         log.info(
             "environment ready", env=loaded.env.name, options=loaded.options_dict(), workers=s.score_workers
         )
@@ -118,7 +128,17 @@ class EnvHost:
             "score_timeout_seconds": self.settings.score_timeout_seconds,
             "reward_range": hosted.pool.reward_range,
             "success_threshold": scorer.success_threshold,
+            "max_turns": env.turn_limit,
+            "tools_json": hosted.tools_json,
+            "respond_timeout_seconds": env.respond_timeout,
+            "episode_timeout_seconds": env.episode_timeout,
+            "max_episode_tokens": env.max_episode_tokens,
         }
+
+    @property
+    def tools_json(self) -> str:
+        """The environment's tools as Prompt.tools_json ("" when it has none)."""
+        return self._ready().tools_json
 
     @property
     def ready(self) -> bool:
@@ -182,6 +202,10 @@ class EnvHost:
         limit = self.settings.max_completions_per_call
         if len(job.completions) > limit:
             raise InvalidArgument(f"{len(job.completions)} completions in one call; the limit is {limit}")
+        if job.transcripts is not None and len(job.transcripts) != len(job.completions):
+            raise InvalidArgument(
+                f"{len(job.transcripts)} transcripts for {len(job.completions)} completions"
+            )
         for index, prompt_id in enumerate(job.completion_prompt_ids):
             if prompt_id and prompt.id and prompt_id != prompt.id:
                 raise InvalidArgument(
@@ -206,10 +230,43 @@ class EnvHost:
         return ScoredGroupOutcome(scores=scores, rewards=rewards, skip_group=skip, failed_count=failed)
 
     async def score(self, job: ScoreJob) -> ScoredGroupOutcome:
-        """Score one group in the pool; scorer faults are failures inside the outcome, never exceptions."""
+        """Score one group in the pool; scorer faults are failures inside the outcome, never exceptions.
+        An episode that failed before it ended is not scored: it is a failure of kind "episode"."""
         pool = self._ready().pool
         self.validate_job(job)
-        return self._apply_policy(await pool.score(job.prompt, job.completions))
+        failed = {i: reason for i, reason in enumerate(job.failures) if reason}
+        if not failed:
+            return self._apply_policy(await pool.score(job.prompt, job.completions, job.transcripts))
+        keep = [i for i in range(len(job.completions)) if i not in failed]
+        texts = [job.completions[i] for i in keep]
+        transcripts = None if job.transcripts is None else [job.transcripts[i] for i in keep]
+        scored = iter(await pool.score(job.prompt, texts, transcripts) if keep else [])
+        self.counters["episodes_failed"] += len(failed)
+        scores = [
+            failure("episode", failed[i]) if i in failed else next(scored)
+            for i in range(len(job.completions))
+        ]
+        return self._apply_policy(scores)
+
+    # ------------------------------------------------------------------ multi-turn
+    async def respond(self, prompt: PromptItem, transcripts: list[list[Message]]) -> list[Reply | str]:
+        """The environment's turn in each live episode of a group (a failure text where it could not
+        answer); tools run in the workers."""
+        hosted = self._ready()
+        if not transcripts:
+            raise InvalidArgument("no transcripts to respond to")
+        limit = self.settings.max_completions_per_call
+        if len(transcripts) > limit:
+            raise InvalidArgument(f"{len(transcripts)} transcripts in one call; the limit is {limit}")
+        for index, transcript in enumerate(transcripts):
+            if not transcript or transcript[-1].get("role") != "assistant":
+                raise InvalidArgument(f"transcripts[{index}] must end with the model's (assistant) message")
+        replies = await hosted.pool.respond(prompt, transcripts, hosted.loaded.env.respond_timeout)
+        for reply in replies:
+            if isinstance(reply, Reply):
+                self.counters["tool_calls"] += reply.tool_calls
+                self.counters["tool_errors"] += reply.tool_errors
+        return replies
 
     async def score_many(self, jobs: Sequence[ScoreJob]) -> AsyncIterator[tuple[int, ScoredGroupOutcome]]:
         """Score many groups, yielding (index, outcome) as each finishes; at most 2×workers in flight."""

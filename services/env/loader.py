@@ -1,7 +1,8 @@
 """Turn an environment spec plus options into an `Environment` (and its scorer).
 
 Specs:
-* a built-in name: `arithmetic`, `gsm8k`, `reasoning_gym:<task>` (e.g. `reasoning_gym:basic_arithmetic`);
+* a built-in name: `arithmetic`, `gsm8k`, `tool_arithmetic`, `guessing`, `reasoning_gym:<task>` (e.g.
+  `reasoning_gym:basic_arithmetic`);
 * an import path: `package.module:Name`;
 * a file path: `path/to/my_env.py:Name`.
 
@@ -78,6 +79,14 @@ def _builtin(spec: str) -> tuple[type[Environment[Any]], dict[str, Any]] | None:
         from services.env.builtins.gsm8k import Gsm8kEnv
 
         return Gsm8kEnv, {}
+    if spec == "tool_arithmetic":
+        from services.env.builtins.tool_arithmetic import ToolArithmeticEnv
+
+        return ToolArithmeticEnv, {}
+    if spec == "guessing":
+        from services.env.builtins.guessing import GuessingEnv
+
+        return GuessingEnv, {}
     if spec == "reasoning_gym" or spec.startswith("reasoning_gym:"):
         from services.env.builtins.reasoning_gym_env import task_environment
 

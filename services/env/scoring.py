@@ -3,7 +3,9 @@
 Why processes: reward code is user code. It may be CPU-heavy, block, hang forever or crash the
 interpreter; none of that may touch the service's event loop. Each worker is a `spawn`ed process that
 rebuilds the scorer (the environment, or a RewardFunctionScorer around it) from its `EnvRecipe`,
-calls `setup_scorer()` once, then serves one `score(prompt, completions)` call at a time over a pipe.
+calls `setup_scorer()` once, then serves one call at a time over a pipe: a group to score (by its
+completions' texts, or by its episodes' transcripts through `score_episodes`), or the live episodes of
+a group to answer (`respond`, multi-turn environments: tools run here too, never in the service).
 
 Per call the parent waits at most `timeout` seconds. A worker that times out or dies is killed through
 its own process handle and replaced; the call's completions become failures ("timeout", "crash").
@@ -31,7 +33,7 @@ from typing import Any
 
 from services.common.errors import ResourceExhausted
 from services.common.logging import get_logger
-from services.env.base import PromptItem, Score, as_score, failure
+from services.env.base import Message, PromptItem, Reply, Score, as_score, failure
 from services.env.loader import EnvLoadError, EnvRecipe, load_recipe
 
 log = get_logger(__name__)
@@ -67,12 +69,33 @@ def validate_scores(raw: Any, n: int, reward_range: tuple[float, float]) -> list
     return scores
 
 
+async def _respond_all(
+    env: Any, prompt: PromptItem, transcripts: list[list[Message]], deadline_s: float
+) -> list[Reply | str]:
+    """Every episode's reply, concurrently; one that raises or runs past `deadline_s` is its failure text."""
+
+    async def one(transcript: list[Message]) -> Reply | str:
+        try:
+            reply = await asyncio.wait_for(env.respond(prompt, transcript), deadline_s)
+        except TimeoutError:
+            return f"timeout: respond took longer than {deadline_s:g}s"
+        except Exception as exc:
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            return f"exception: {type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})"
+        if not isinstance(reply, Reply):
+            return f"bad_output: respond returned {type(reply).__name__}, expected a Reply"
+        return reply
+
+    return list(await asyncio.gather(*(one(t) for t in transcripts)))
+
+
 def _worker_main(conn: multiprocessing.connection.Connection, recipe: EnvRecipe) -> None:
     """Entry point of a scoring worker process."""
     # The parent owns this process's lifecycle; a terminal Ctrl-C must not kill it mid-reply.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        scorer = load_recipe(recipe).scorer
+        loaded = load_recipe(recipe)
+        env, scorer = loaded.env, loaded.scorer
         scorer.setup_scorer()
     except BaseException as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -86,19 +109,27 @@ def _worker_main(conn: multiprocessing.connection.Connection, recipe: EnvRecipe)
             return
         if message is None:
             return
-        prompt, completions = message
+        kind, prompt, texts, transcripts, timeout = message
         try:
-            result: Any = scorer.score(prompt, completions)
-            if inspect.isawaitable(result):
-                result = loop.run_until_complete(result)
-            reply: tuple[str, Any] = ("ok", [as_score(s) for s in result])
+            result: Any
+            if kind == "respond":
+                result = loop.run_until_complete(_respond_all(env, prompt, transcripts, timeout))
+                reply: tuple[str, Any] = ("ok", result)
+            else:
+                if transcripts is not None and hasattr(scorer, "score_episodes"):
+                    result = scorer.score_episodes(prompt, transcripts)
+                else:
+                    result = scorer.score(prompt, texts)
+                if inspect.isawaitable(result):
+                    result = loop.run_until_complete(result)
+                reply = ("ok", [as_score(s) for s in result])
         except Exception as exc:
             where = traceback.extract_tb(exc.__traceback__)[-1]
             reply = ("error", f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})")
         try:
             conn.send(reply)
         except Exception as exc:  # an unpicklable result
-            conn.send(("error", f"could not send the scores back: {type(exc).__name__}: {exc}"))
+            conn.send(("error", f"could not send the result back: {type(exc).__name__}: {exc}"))
 
 
 class _Worker:
@@ -123,13 +154,13 @@ class _Worker:
             raise EnvLoadError(f"scoring worker could not load the environment: {payload}")
         self.reward_range: tuple[float, float] = payload
 
-    def call(self, prompt: PromptItem, completions: list[str], timeout: float) -> tuple[str, Any]:
-        """("ok", scores) | ("error", message) | ("timeout", message) | ("crash", message)."""
+    def call(self, message: tuple[Any, ...], timeout: float) -> tuple[str, Any]:
+        """("ok", result) | ("error", message) | ("timeout", message) | ("crash", message)."""
         try:
-            self.conn.send((prompt, completions))
+            self.conn.send(message)
             if not self.conn.poll(timeout):
                 self.kill()
-                return "timeout", f"scoring took longer than {timeout:g}s; worker killed and replaced"
+                return "timeout", f"the call took longer than {timeout:g}s; worker killed and replaced"
             return self.conn.recv()
         except (EOFError, OSError, BrokenPipeError) as exc:
             self.kill()
@@ -218,15 +249,36 @@ class ScoringPool:
         await asyncio.gather(*(asyncio.to_thread(w.stop) for w in self._workers))
         self._workers.clear()
 
-    async def score(self, prompt: PromptItem, completions: Sequence[str]) -> list[Score]:
-        """One validated Score per completion; scorer faults come back as failures, never as exceptions."""
+    async def score(
+        self,
+        prompt: PromptItem,
+        completions: Sequence[str],
+        transcripts: Sequence[list[Message]] | None = None,
+    ) -> list[Score]:
+        """One validated Score per completion (per episode, with `transcripts`); scorer faults come
+        back as failures, never as exceptions."""
         if not completions:
             return []
+        return await self._submit(self._run(prompt, list(completions), transcripts))
+
+    async def respond(
+        self, prompt: PromptItem, transcripts: Sequence[list[Message]], deadline_s: float
+    ) -> list[Reply | str]:
+        """The environment's reply to each live episode (a failure text where it could not answer):
+        `deadline_s` per episode inside the worker, and the worker killed a little after it."""
+        if not transcripts:
+            return []
+        return await self._submit(self._respond(prompt, list(transcripts), deadline_s))
+
+    async def _submit(self, work: Any) -> Any:
         if self._pending >= self.max_pending:
-            raise ResourceExhausted(f"{self._pending} scoring calls already waiting (max {self.max_pending})")
+            work.close()
+            raise ResourceExhausted(
+                f"{self._pending} calls already waiting for a worker (max {self.max_pending})"
+            )
         self._pending += 1
         # The call owns its worker until the worker is free again, even if our caller is cancelled.
-        task = asyncio.ensure_future(self._run(prompt, list(completions)))
+        task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         try:
@@ -282,15 +334,40 @@ class ScoringPool:
         else:
             self._idle.put_nowait(worker)
 
-    async def _run(self, prompt: PromptItem, completions: list[str]) -> list[Score]:
+    async def _call(self, message: tuple[Any, ...], deadline_s: float) -> tuple[str, Any]:
         worker = await self._acquire()
         try:
-            status, payload = await asyncio.to_thread(worker.call, prompt, completions, self.timeout)
+            return await asyncio.to_thread(worker.call, message, deadline_s)
         except BaseException:
             worker.kill()
             raise
         finally:
             await self._release(worker)
+
+    async def _respond(
+        self, prompt: PromptItem, transcripts: list[list[Message]], deadline_s: float
+    ) -> list[Reply | str]:
+        # The worker's own per-episode deadline answers first; this one catches a worker stuck in
+        # code that never yields (a CPU-bound tool) and replaces it.
+        message = ("respond", prompt, None, transcripts, deadline_s)
+        status, payload = await self._call(message, deadline_s + 5.0)
+        self.counters["responded_episodes"] += len(transcripts)
+        if status != "ok":
+            kind = "exception" if status == "error" else status
+            log.warning("respond failed", kind=kind, error=payload, prompt_id=prompt.id)
+            self.counters[f"respond_failures.{kind}"] += len(transcripts)
+            return [f"{kind}: {payload}"] * len(transcripts)
+        replies: list[Reply | str] = list(payload)
+        for reply in replies:
+            if isinstance(reply, str):
+                self.counters[f"respond_failures.{reply.split(':', 1)[0]}"] += 1
+        return replies
+
+    async def _run(
+        self, prompt: PromptItem, completions: list[str], transcripts: Sequence[list[Message]] | None = None
+    ) -> list[Score]:
+        message = ("score", prompt, completions, None if transcripts is None else list(transcripts), None)
+        status, payload = await self._call(message, self.timeout)
         n = len(completions)
         if status == "ok":
             scores = validate_scores(payload, n, self.reward_range)

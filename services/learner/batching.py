@@ -1,6 +1,9 @@
 """From scored completions to padded micro-batches (pure: lists in, tensors out).
 
-A `Sample` is one completion: prompt + completion token ids, behaviour logprobs and its advantage.
+A `Sample` is one completion: prompt + completion token ids, behaviour logprobs and its advantage;
+for a multi-turn episode the completion is every token after the prompt, and `env_spans` are the
+environment's tokens inside it (tool results, user turns, template glue): context, masked out of the
+loss and of every count the loss is normalised by.
 Micro-batches are planned by a *padded* token budget (rows × longest row ≤ budget): samples are
 sorted by length so similar lengths share a micro-batch and little compute goes to padding. The
 order of samples never changes the result, because every objective is normalised by global counts
@@ -28,10 +31,17 @@ class Sample:
     behav_logprobs: tuple[float, ...]
     advantage: float
     temperature: float = 1.0
+    # [start, end) ranges of completion_ids the environment added: not trained on
+    env_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Completion tokens the model sampled (the ones the loss sees)."""
+        return len(self.completion_ids) - sum(end - start for start, end in self.env_spans)
 
 
 @dataclass
@@ -42,7 +52,7 @@ class MicroBatch:
     attention_mask [B, L]
     positions      [B, T]   index into the shifted logits ([B, L-1]) predicting completion token t
     completion_ids [B, T]
-    mask           [B, T]   1.0 on real completion tokens
+    mask           [B, T]   1.0 on sampled completion tokens (0 on padding and environment tokens)
     behav          [B, T]   behaviour logprobs (0 on padding)
     adv            [B]
     temperature    [B]
@@ -83,6 +93,16 @@ def validate_sample(sample: Sample, vocab_size: int, where: str, max_length: int
         raise InvalidArgument(f"{where}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
     if not all(math.isfinite(lp) and lp <= 1e-3 for lp in sample.behav_logprobs):
         raise InvalidArgument(f"{where}: behaviour logprobs must be finite and <= 0")
+    previous = 0
+    for start, end in sample.env_spans:
+        if not previous <= start < end <= len(sample.completion_ids):
+            raise InvalidArgument(
+                f"{where}: environment turn [{start}, {end}) is not an ordered range inside the "
+                f"{len(sample.completion_ids)} completion tokens"
+            )
+        previous = end
+    if sample.env_spans and sample.trained_tokens == 0:
+        raise InvalidArgument(f"{where}: every completion token is the environment's: nothing to train")
     if not math.isfinite(sample.advantage):
         raise InvalidArgument(f"{where}: advantage must be finite")
     if sample.temperature <= 0:
@@ -92,8 +112,8 @@ def validate_sample(sample: Sample, vocab_size: int, where: str, max_length: int
 def global_norm(samples: Sequence[Sample]) -> Norm:
     """Sequence and token counts of the whole optimizer batch."""
     return Norm(
-        num_seqs=sum(1 for s in samples if s.completion_ids),
-        num_tokens=sum(len(s.completion_ids) for s in samples),
+        num_seqs=sum(1 for s in samples if s.trained_tokens),
+        num_tokens=sum(s.trained_tokens for s in samples),
     )
 
 
@@ -138,6 +158,8 @@ def collate(samples: Sequence[Sample]) -> MicroBatch:
         positions[row, :c] = torch.arange(p - 1, p - 1 + c)
         completion[row, :c] = torch.tensor(s.completion_ids, dtype=torch.long)
         mask[row, :c] = 1.0
+        for start, end in s.env_spans:  # the environment's tokens: context only
+            mask[row, start:end] = 0.0
         behav[row, :c] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)  # [B]
     temperature = torch.tensor([s.temperature for s in samples], dtype=torch.float32)  # [B]

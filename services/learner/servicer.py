@@ -38,19 +38,48 @@ def samples_from_batch(batch: types_pb2.TrainBatch) -> Decoded:
         check.all_finite(group.rewards, f"{where}.rewards")  # advantages and logprobs: validate_sample
         for ci, (completion, advantage) in enumerate(zip(group.completions, group.advantages, strict=True)):
             field = f"{where}.completions[{ci}]"
+            # per-group facts travel once in the group; a member's own fields win when set
+            sampling = (
+                completion.sampling_params
+                if completion.HasField("sampling_params")
+                else group.sampling_params
+            )
             samples.append(
                 Sample(
-                    prompt_ids=tuple(completion.prompt_token_ids),
+                    prompt_ids=tuple(completion.prompt_token_ids or group.prompt_token_ids),
                     completion_ids=tuple(completion.completion_token_ids),
                     behav_logprobs=tuple(completion.logprobs),
                     advantage=float(advantage),
                     temperature=check.temperature(
-                        completion.sampling_params.temperature, f"{field}.sampling_params.temperature"
+                        sampling.temperature, f"{field}.sampling_params.temperature"
                     ),
+                    env_spans=env_spans(completion, field),
                 )
             )
         rewards.extend(float(r) for r in group.rewards)
     return samples, rewards
+
+
+def env_spans(completion: types_pb2.Completion, where: str) -> tuple[tuple[int, int], ...]:
+    """The environment turns of an episode as [start, end) ranges; its turns must tile the completion
+    in order (no turns: one model turn, nothing masked)."""
+    position = 0
+    spans: list[tuple[int, int]] = []
+    for ti, turn in enumerate(completion.turns):
+        if turn.start != position or turn.end < turn.start:
+            raise InvalidArgument(
+                f"{where}.turns[{ti}]: [{turn.start}, {turn.end}) does not continue at {position}"
+            )
+        if turn.source == types_pb2.TURN_SOURCE_ENV:
+            spans.append((turn.start, turn.end))
+        elif turn.source != types_pb2.TURN_SOURCE_MODEL:
+            raise InvalidArgument(f"{where}.turns[{ti}].source must be MODEL or ENV")
+        position = turn.end
+    if completion.turns and position != len(completion.completion_token_ids):
+        raise InvalidArgument(
+            f"{where}.turns cover {position} of {len(completion.completion_token_ids)} completion tokens"
+        )
+    return tuple(spans)
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):

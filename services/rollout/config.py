@@ -92,6 +92,17 @@ class RequestLimits(_Section):
     max_stop_strings: int = Field(default=16, ge=0, description="Most stop strings per request.")
     max_stop_chars: int = Field(default=256, ge=1, description="Longest stop string, in characters.")
     max_id_chars: int = Field(default=256, ge=1, description="Longest request or prompt id, in characters.")
+    max_render_messages: int = Field(
+        default=256, ge=1, description="Most chat messages in one RenderMessages request."
+    )
+    max_render_chars: int = Field(
+        default=500_000,
+        ge=1,
+        description="Most characters one RenderMessages request renders (contents, tool calls, tools, text).",
+    )
+    max_previous_tail: int = Field(
+        default=64, ge=1, description="Most tokens of previous_tail a RenderMessages bridge request may send."
+    )
 
 
 class RegistrationConfig(_Section):

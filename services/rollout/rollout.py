@@ -25,10 +25,13 @@ from services.common.logging import get_logger
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import FinishedCompletion, LoadTimings, RolloutEngine, Sampling
 from services.rollout.hf_engine import HfEngine
+from services.rollout.templates import MessageInput, Rendered, TemplateRenderer
 from services.rollout.validation import (
     PromptInput,
     normalize_sampling,
     validate_prompt,
+    validate_prompt_tokens,
+    validate_render_request,
     validate_sampling,
     validate_score_request,
 )
@@ -54,7 +57,7 @@ class Status(enum.Enum):
 @dataclass(frozen=True)
 class Generated:
     """Completions of one request that finished together, with the request facts the caller records
-    next to them."""
+    next to them (`prompt_token_ids` empty for a token-in request: the caller has them)."""
 
     prompt_id: str
     prompt_token_ids: tuple[int, ...]
@@ -96,6 +99,7 @@ class RolloutState:
     tokens_generated: int
     weight_workers: int
     instance_id: str
+    max_model_len: int  # 0 while loading
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,7 @@ class Rollout:
         self._stager = WeightStager(self.rollout_id, settings.fetch_deadline, self._engine)
         self._tokenize_pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
         self._tokenizer: Any = None
+        self._renderer: TemplateRenderer | None = None
         self._vocab_size = 0
         self._status = Status.LOADING
         self._in_flight: set[str] = set()
@@ -152,6 +157,7 @@ class Rollout:
         )
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._vocab_size = int(getattr(text_config, "vocab_size", 0) or len(self._tokenizer))
+        self._renderer = TemplateRenderer(self._tokenizer)
 
     async def start(self) -> None:
         # what a predecessor of this id left in /dev/shm when it was killed with its resource tracker
@@ -183,9 +189,9 @@ class Rollout:
                 raise InvalidArgument(
                     f"prompt {prompt.prompt_id!r} has chat messages but the tokenizer has no chat template"
                 )
-            messages = [{"role": role, "content": content} for role, content in prompt.messages]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            assert self._renderer is not None
+            messages = [MessageInput(role, content) for role, content in prompt.messages]
+            return self._renderer.conversation(messages, prompt.tools_json, add_generation_prompt=True)
         return list(tokenizer(prompt.text, add_special_tokens=self.settings.add_special_tokens)["input_ids"])
 
     async def tokenize(self, prompt: PromptInput) -> list[int]:
@@ -223,19 +229,26 @@ class Rollout:
     async def generate(
         self, request_id: str, prompt: PromptInput, sampling: Sampling
     ) -> AsyncIterator[Generated]:
-        """Validate, admit, tokenize and stream the request's completions as they finish (those that
-        finished together in one `Generated`)."""
+        """Validate, admit, tokenize (unless the prompt is given as token ids) and stream the request's
+        completions as they finish (those that finished together in one `Generated`)."""
         sampling = normalize_sampling(sampling)
         limits = self.settings.limits
         validate_prompt(prompt, limits)
         check.text_id(request_id, "request_id", limits.max_id_chars)
         self._admit(request_id)  # UNAVAILABLE while loading: the context length is known after it
         validate_sampling(sampling, limits, self._engine.max_model_len)
+        if prompt.token_ids:
+            validate_prompt_tokens(
+                prompt.token_ids, sampling.max_tokens, self._vocab_size, self._engine.max_model_len
+            )
         self._in_flight.add(request_id)
         try:
             with self._working():
-                prompt_ids = await self.tokenize(prompt)
-                prompt_tuple = tuple(prompt_ids)  # once per request, shared by its completions
+                if prompt.token_ids:
+                    prompt_ids, prompt_tuple = list(prompt.token_ids), ()  # the caller has them
+                else:
+                    prompt_ids = await self.tokenize(prompt)
+                    prompt_tuple = tuple(prompt_ids)  # once per request, shared by its completions
                 async for finished in self._engine.generate(prompt_ids, sampling, request_id):
                     self._tokens_generated += sum(len(c.token_ids) for c in finished)
                     yield Generated(prompt.prompt_id, prompt_tuple, sampling, tuple(finished))
@@ -301,6 +314,35 @@ class Rollout:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def render(
+        self,
+        mode: str,
+        messages: Sequence[MessageInput] = (),
+        tools_json: str = "",
+        add_generation_prompt: bool = False,
+        previous_tail: Sequence[int] = (),
+        text: str = "",
+    ) -> Rendered:
+        """Tokens (and their text) of `messages` through the chat template, or of `text` (mode
+        "conversation", "bridge" or "text"; see `templates.py`), rendered in a tokenizer thread."""
+        if self._renderer is None:
+            raise Unavailable(f"rollout {self.rollout_id} is still loading")
+        validate_render_request(
+            mode, messages, tools_json, previous_tail, text, self.settings.limits, self._vocab_size
+        )
+        renderer = self._renderer
+
+        def run() -> Rendered:
+            if mode == "text":
+                ids = renderer.text(text)
+            elif mode == "bridge":
+                ids = renderer.bridge(messages, previous_tail, tools_json, add_generation_prompt)
+            else:
+                ids = renderer.conversation(messages, tools_json, add_generation_prompt)
+            return Rendered(ids, renderer.decode(ids))
+
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, run)
 
     def _working(self) -> contextlib.AbstractContextManager[None]:
         """Marks the busy file (if any) for the duration: a learner borrowing this rollout's cores
@@ -379,4 +421,5 @@ class Rollout:
             tokens_generated=self._tokens_generated,
             weight_workers=self._engine.weight_workers,
             instance_id=self.instance_id,
+            max_model_len=0 if self._status == Status.LOADING else self._engine.max_model_len,
         )

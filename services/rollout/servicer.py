@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -11,6 +11,7 @@ from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.errors import code_number, status_for
 from services.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FinishedCompletion, Sampling
 from services.rollout.rollout import BatchOutput, BatchRequest, Generated, Rollout, Status
+from services.rollout.templates import MessageInput, ToolCallInput
 from services.rollout.validation import PromptInput
 from services.transports import registry as transports
 
@@ -25,13 +26,30 @@ _STATUS = {
     Status.UPDATING: rollout_pb2.ROLLOUT_STATUS_UPDATING,
     Status.DRAINING: rollout_pb2.ROLLOUT_STATUS_DRAINING,
 }
+_RENDER_MODE = {
+    rollout_pb2.RENDER_MODE_CONVERSATION: "conversation",
+    rollout_pb2.RENDER_MODE_BRIDGE: "bridge",
+    rollout_pb2.RENDER_MODE_TEXT: "text",
+}
 
 
-def prompt_from_proto(message: types_pb2.Prompt) -> PromptInput:
+def prompt_from_proto(message: types_pb2.Prompt, token_ids: Sequence[int] = ()) -> PromptInput:
     return PromptInput(
         prompt_id=message.id,
         text=message.text,
         messages=tuple((m.role, m.content) for m in message.messages),
+        tools_json=message.tools_json,
+        token_ids=tuple(token_ids),
+    )
+
+
+def message_from_proto(message: types_pb2.ChatMessage) -> MessageInput:
+    return MessageInput(
+        role=message.role,
+        content=message.content,
+        tool_calls=tuple(ToolCallInput(c.id, c.name, c.arguments_json) for c in message.tool_calls),
+        tool_call_id=message.tool_call_id,
+        name=message.name,
     )
 
 
@@ -77,7 +95,12 @@ def fill_completion(
     message.index = completion.index
     message.completion_token_ids.extend(completion.token_ids)
     message.logprobs.extend(completion.logprobs)
-    message.finish_reason = _FINISH.get(completion.finish_reason, types_pb2.FINISH_REASON_UNSPECIFIED)
+    finish = _FINISH.get(completion.finish_reason, types_pb2.FINISH_REASON_UNSPECIFIED)
+    message.finish_reason = finish
+    # the one-turn case of an episode: a single model turn over all the tokens
+    message.turns.add(
+        source=types_pb2.TURN_SOURCE_MODEL, start=0, end=len(completion.token_ids), finish_reason=finish
+    )
     for span in completion.version_spans:
         message.version_spans.add(version=span.version, start=span.start, end=span.end)
     message.text = completion.text
@@ -98,7 +121,9 @@ BATCH_RESPONSE_BYTES = 4 << 20
 
 def batch_request_from_proto(message: rollout_pb2.GenerateRequest) -> BatchRequest:
     return BatchRequest(
-        message.request_id, prompt_from_proto(message.prompt), sampling_from_proto(message.sampling_params)
+        message.request_id,
+        prompt_from_proto(message.prompt, message.prompt_token_ids),
+        sampling_from_proto(message.sampling_params),
     )
 
 
@@ -134,7 +159,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rollout_pb2.GenerateResponse]:
-        prompt = prompt_from_proto(request.prompt)
+        prompt = prompt_from_proto(request.prompt, request.prompt_token_ids)
         sampling = sampling_from_proto(request.sampling_params)
         template = None  # built from the first completions, copied into each
         async for generated in self._rollout.generate(request.request_id, prompt, sampling):
@@ -200,4 +225,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             tokens_generated=state.tokens_generated,
             weight_workers=state.weight_workers,
             instance_id=state.instance_id,
+            max_model_len=state.max_model_len,
         )
+
+    async def RenderMessages(
+        self, request: rollout_pb2.RenderMessagesRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.RenderMessagesResponse:
+        rendered = await self._rollout.render(
+            _RENDER_MODE.get(request.mode, "unspecified"),
+            [message_from_proto(m) for m in request.messages],
+            tools_json=request.tools_json,
+            add_generation_prompt=request.add_generation_prompt,
+            previous_tail=list(request.previous_tail),
+            text=request.text,
+        )
+        return rollout_pb2.RenderMessagesResponse(token_ids=rendered.token_ids, text=rendered.text)

@@ -13,25 +13,32 @@ from services.common import validation as check
 from services.common.errors import InvalidArgument, quoted
 from services.rollout.config import RequestLimits
 from services.rollout.engine import Sampling
+from services.rollout.templates import MessageInput
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
 class PromptInput:
-    """A prompt as the rollout sees it: plain text or chat messages (role, content)."""
+    """A prompt as the rollout sees it: plain text or chat messages (role, content) with the tools the
+    template renders, or (token-in) the token ids to continue, which then replace both."""
 
     prompt_id: str
     text: str = ""
     messages: tuple[tuple[str, str], ...] = ()
+    tools_json: str = ""
+    token_ids: tuple[int, ...] = ()
 
 
 DEFAULT_LIMITS = RequestLimits()
 
 
 def validate_prompt(prompt: PromptInput, limits: RequestLimits = DEFAULT_LIMITS) -> None:
-    """A bounded id; exactly one of text / messages; chat roles must be known and contents non-empty."""
+    """A bounded id; exactly one of text / messages (unless token ids are given: then neither is
+    read); chat roles must be known and contents non-empty."""
     check.text_id(prompt.prompt_id, "prompt.id", limits.max_id_chars, required=False)
+    if prompt.token_ids:
+        return
     if bool(prompt.text) == bool(prompt.messages):
         which = "both" if prompt.text else "neither"
         raise InvalidArgument(
@@ -98,6 +105,8 @@ def normalize_sampling(sampling: Sampling) -> Sampling:
 
 def validate_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
     """Every id must index the model's vocabulary."""
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):  # C loops: a long prompt costs ~0.1 ms
+        return
     for position, token in enumerate(ids):
         if not 0 <= token < vocab_size:
             raise InvalidArgument(
@@ -123,3 +132,54 @@ def validate_score_request(
         raise InvalidArgument(f"sequence has {total} tokens; it must be shorter than max_model_len {max_len}")
     validate_token_ids(prompt_ids, vocab_size, "sequence.prompt_token_ids")
     validate_token_ids(completion_ids, vocab_size, "sequence.completion_token_ids")
+
+
+def validate_prompt_tokens(ids: Sequence[int], max_tokens: int, vocab_size: int, max_model_len: int) -> None:
+    """Token-in: ids in the vocabulary, and room for `max_tokens` more (prompt + max_tokens ≤
+    max_model_len)."""
+    validate_token_ids(ids, vocab_size, "prompt_token_ids")
+    if len(ids) + max_tokens > max_model_len:
+        raise InvalidArgument(
+            f"prompt_token_ids has {len(ids)} tokens; with sampling_params.max_tokens {max_tokens} that is "
+            f"more than max_model_len {max_model_len}"
+        )
+
+
+def validate_render_request(
+    mode: str,
+    messages: Sequence[MessageInput],
+    tools_json: str,
+    previous_tail: Sequence[int],
+    text: str,
+    limits: RequestLimits,
+    vocab_size: int,
+) -> None:
+    """A RenderMessages request: a known mode; messages for conversation / bridge (bounded in number
+    and size, known roles), a text for text; a bounded previous_tail of vocabulary ids."""
+    if mode not in ("conversation", "bridge", "text"):
+        raise InvalidArgument("mode must be RENDER_MODE_CONVERSATION, RENDER_MODE_BRIDGE or RENDER_MODE_TEXT")
+    if mode == "text":
+        if not text:
+            raise InvalidArgument("text is empty (RENDER_MODE_TEXT renders it)")
+    elif not messages:
+        raise InvalidArgument(f"messages is empty (RENDER_MODE_{mode.upper()} renders them)")
+    if len(messages) > limits.max_render_messages:
+        raise InvalidArgument(f"messages has {len(messages)} messages (max {limits.max_render_messages})")
+    chars = len(tools_json) + len(text)
+    for position, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"messages[{position}].role must be one of {CHAT_ROLES}, got {quoted(message.role)}"
+            )
+        chars += len(message.content) + len(message.tool_call_id) + len(message.name)
+        chars += sum(len(c.id) + len(c.name) + len(c.arguments_json) for c in message.tool_calls)
+    if chars > limits.max_render_chars:
+        raise InvalidArgument(
+            f"the request renders {chars} characters (max {limits.max_render_chars}: [rollout.limits] "
+            "max_render_chars)"
+        )
+    if len(previous_tail) > limits.max_previous_tail:
+        raise InvalidArgument(
+            f"previous_tail has {len(previous_tail)} tokens (max {limits.max_previous_tail})"
+        )
+    validate_token_ids(previous_tail, vocab_size, "previous_tail")

@@ -42,6 +42,7 @@ from services.scheduler.peers.patience import patiently
 from services.scheduler.peers.rollouts import RolloutPool
 from services.scheduler.pipeline.alignment import AlignmentProbe
 from services.scheduler.pipeline.batches import BatchAssembler, PlannedBatch
+from services.scheduler.pipeline.episodes import EpisodeRunner
 from services.scheduler.pipeline.evaluation import Evaluator
 from services.scheduler.pipeline.groups import GroupPipeline
 from services.scheduler.pipeline.policy import build_train_batch
@@ -63,13 +64,15 @@ class Orchestrator:
         self.timeline = Timeline()  # records once the run starts with `trace` on
         self.lineage = Lineage(self.ledger, self.store, pool)
         self.syncer = WeightSyncer(learner, pool, settings.weight_transport, self.timeline)
-        self.step_sync = StepSync(self.syncer, AlignmentProbe(settings, self.syncer), pool, self.timeline)
+        self.alignment = AlignmentProbe(settings, self.syncer)
+        self.step_sync = StepSync(self.syncer, self.alignment, pool, self.timeline)
+        self.episodes = EpisodeRunner(settings, env)
         self.groups = GroupPipeline(
             settings, env, pool, self.ledger, self.store, lambda: self.version,
-            lambda: self.lineage.generation, self.timeline,
+            lambda: self.lineage.generation, self.timeline, self.episodes,
         )  # fmt: skip
         self.batches = BatchAssembler(settings, self.groups, self.lineage, self.store, pool)
-        self.evaluator = Evaluator(settings, env, pool)
+        self.evaluator = Evaluator(settings, env, pool, self.episodes)
         self.report = StepReport(settings, self.groups, self.ledger, self.evaluator, self.timeline)
         self.version = 0
         self.step = 0
@@ -126,6 +129,10 @@ class Orchestrator:
         incarnation's run, bring every rollout to the learner's version, fix the probe sequence."""
         # a peer may still be (re)starting: a restarted scheduler must not fail on a learner loading
         state = await patiently(self.settings.recovery, "learner", self.learner.state)
+        self.episodes.info = info = await patiently(self.settings.recovery, "env", self.env.describe)
+        if info.max_turns > 1:
+            log.info("multi-turn environment", env=info.name, max_turns=info.max_turns)
+            self.alignment.multi_turn = True
         discarded = 0
         if not snapshot.empty and learner_ahead(snapshot, state):
             self.lineage.check(snapshot, state)  # another run's ledger: refused before anything goes back

@@ -310,6 +310,16 @@ COMPLETION = types_pb2.Completion(
 SEEDS: dict[str, Message] = {
     "SamplePrompts": env_pb2.SamplePromptsRequest(n=2),
     "ScoreCompletions": SCORE,
+    "Respond": env_pb2.RespondRequest(
+        prompt=PROMPT,
+        transcripts=[types_pb2.Transcript(messages=[types_pb2.ChatMessage(role="assistant", content="3")])],
+    ),
+    "RenderMessages": rollout_pb2.RenderMessagesRequest(
+        mode=rollout_pb2.RENDER_MODE_BRIDGE,
+        messages=[types_pb2.ChatMessage(role="tool", content="3", tool_call_id="call_0", name="add")],
+        previous_tail=[2],
+        add_generation_prompt=True,
+    ),
     "ScoreCompletionsStream": env_pb2.ScoreCompletionsStreamRequest(groups=[SCORE]),
     "Evaluate": env_pb2.EvaluateRequest(groups=[SCORE]),
     "TrainStep": learner_pb2.TrainStepRequest(

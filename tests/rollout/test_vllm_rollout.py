@@ -255,6 +255,40 @@ async def test_vllm_generate_batch_merges_requests_finishing_in_one_step(
             assert_close(c.logprobs, ref)
 
 
+async def test_vllm_token_in_generation(vllm_server: str) -> None:
+    """Token-in on vLLM: the tokens of a text prompt as prompt_token_ids sample what the text does
+    under the same seed; completions leave prompt_token_ids empty and carry one model turn; the state
+    reports the engine's max_model_len, which bounds prompt + max_tokens."""
+    sampling = types_pb2.SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=9)
+    async with connect(vllm_server) as stub:
+        by_text = await generate(stub, "12+34=", n=4, temperature=1.0, max_tokens=12, seed=9)
+        prompt_ids = list(by_text[0].prompt_token_ids)
+        request = rollout_pb2.GenerateRequest(
+            request_id=uuid.uuid4().hex, prompt=types_pb2.Prompt(id="ep/2"), sampling_params=sampling,
+            prompt_token_ids=prompt_ids,
+        )  # fmt: skip
+        by_tokens = [c async for r in stub.Generate(request, timeout=TIMEOUT) for c in r.completions]
+        state = await state_of(stub)
+        too_long = rollout_pb2.GenerateRequest(
+            request_id=uuid.uuid4().hex, prompt=types_pb2.Prompt(id="ep/3"), sampling_params=sampling,
+            prompt_token_ids=[1] * (state.max_model_len - 11),
+        )  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            [r async for r in stub.Generate(too_long, timeout=TIMEOUT)]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_model_len" in info.value.details()
+    assert state.max_model_len == 512  # the tiny model's positions
+    text_by_index = {c.index: c for c in by_text}
+    assert sorted(c.index for c in by_tokens) == [0, 1, 2, 3]
+    for c in by_tokens:
+        assert c.prompt_id == "ep/2" and not c.prompt_token_ids
+        assert list(c.completion_token_ids) == list(text_by_index[c.index].completion_token_ids)
+        assert_close(c.logprobs, torch.tensor(list(text_by_index[c.index].logprobs)))
+    for c in by_tokens + by_text:
+        turns = [(t.source, t.start, t.end, t.finish_reason) for t in c.turns]
+        assert turns == [(types_pb2.TURN_SOURCE_MODEL, 0, len(c.completion_token_ids), c.finish_reason)]
+
+
 async def test_vllm_weight_updates_over_shared_memory_and_grpc_stream(
     vllm_server: str, reference_model
 ) -> None:

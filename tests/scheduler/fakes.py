@@ -13,13 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo.common.v1 import types_pb2
-from services.common.errors import Aborted, FailedPrecondition, GrpoError, Unavailable
+from grpo.env.v1 import env_pb2
+from services.common.errors import Aborted, FailedPrecondition, GrpoError, InvalidArgument, Unavailable
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.orchestrator import Orchestrator
 from services.scheduler.peers.clients import (
     Batch,
+    EnvInfo,
     LearnerInfo,
     PreparedWeights,
+    Rendered,
     RolloutInfo,
     Sampling,
     Scores,
@@ -35,13 +38,43 @@ from services.transports.cuda_ipc_fence import Holder
 class FakeEnv:
     """Prompts "p0", "p1", ... (train, unbounded) and "e0".. (eval, `eval_size` of them). Reward 1.0 for
     completion index 0, else 0.0 (every group has variance). `fail_score(prompt_id)` may return an
-    error to raise instead of scoring."""
+    error to raise instead of scoring.
 
-    def __init__(self, eval_size: int = 4) -> None:
+    Multi-turn (`max_turns` > 1): each episode's env turn is a user message "more <k>" until the
+    episode has `turns_per_episode` model turns, then done; `reply(transcript)` may replace that."""
+
+    def __init__(self, eval_size: int = 4, max_turns: int = 1, turns_per_episode: int = 2, **info) -> None:
         self.eval_size = eval_size
         self.cursor = 0
         self.scored: list[str] = []
         self.fail_score: Callable[[str], GrpoError | None] = lambda prompt_id: None
+        self.info = EnvInfo("fake", max_turns=max_turns, **info)
+        self.turns_per_episode = turns_per_episode
+        self.responded: list[list[types_pb2.Transcript]] = []
+        self.scored_transcripts: list[list[types_pb2.Transcript]] = []
+        self.reply: Callable[[types_pb2.Transcript], env_pb2.EnvReply] | None = None
+        self.fail_respond: Callable[[], GrpoError | None] = lambda: None
+
+    async def describe(self) -> EnvInfo:
+        return self.info
+
+    async def respond(self, prompt: types_pb2.Prompt, transcripts: Sequence[types_pb2.Transcript]):
+        error = self.fail_respond()
+        if error is not None:
+            raise error
+        self.responded.append(list(transcripts))
+        replies = []
+        for transcript in transcripts:
+            if self.reply is not None:
+                replies.append(self.reply(transcript))
+                continue
+            turns = sum(1 for m in transcript.messages if m.role == "assistant")
+            if turns >= self.turns_per_episode:
+                replies.append(env_pb2.EnvReply(done=True))
+            else:
+                message = types_pb2.ChatMessage(role="user", content=f"more {turns}")
+                replies.append(env_pb2.EnvReply(messages=[message], tool_calls=1))
+        return replies
 
     async def sample(self, n: int, split: Split, start: int | None = None) -> list[types_pb2.Prompt]:
         if split == "eval":
@@ -54,13 +87,15 @@ class FakeEnv:
         self.cursor = first + n
         return [types_pb2.Prompt(id=f"p{i}", text=f"{i}+1=") for i in range(first, first + n)]
 
-    async def score(self, prompt: types_pb2.Prompt, completions: Sequence[types_pb2.Completion]) -> Scores:
+    async def score(self, prompt: types_pb2.Prompt, transcripts: Sequence[types_pb2.Transcript]) -> Scores:
         error = self.fail_score(prompt.id)
         if error is not None:
             raise error
         self.scored.append(prompt.id)
-        rewards = [1.0 if c.index == 0 else 0.0 for c in completions]
-        return Scores(rewards, [types_pb2.RewardInfo(ok=True) for _ in completions], skip_group=False)
+        self.scored_transcripts.append(list(transcripts))
+        rewards = [1.0 if i == 0 else 0.0 for i in range(len(transcripts))]
+        infos = [types_pb2.RewardInfo(ok=not t.failure, failure=t.failure) for t in transcripts]
+        return Scores(rewards, infos, skip_group=False)
 
     async def evaluate(self, groups) -> dict[str, float]:
         return {"eval/num_prompts": float(len(groups)), "eval/accuracy": 0.5}
@@ -202,6 +237,7 @@ class FakeRollout:
     worked: asyncio.Event = field(default_factory=asyncio.Event)  # set by the first training generate
     commits: list[int] = field(default_factory=list)
     aborts: list[int] = field(default_factory=list)
+    token_in: list[list[int]] = field(default_factory=list)  # each generate's prompt_token_ids
 
     def __post_init__(self) -> None:
         self.rollout_id = self.rollout_id or self.address
@@ -214,10 +250,24 @@ class FakeRollout:
         self._check_alive()
         return RolloutInfo(self.rollout_id, self.version, True, self.max_in_flight, 1, f"{self.rollout_id}-1")
 
+    async def render_bridge(
+        self, messages: Sequence[types_pb2.ChatMessage], previous_tail: Sequence[int], tools_json: str = ""
+    ) -> Rendered:
+        """Two tokens per message (9, 9); a message "violate" cannot be appended (a prefix violation)."""
+        self._check_alive()
+        if any(m.content == "violate" for m in messages):
+            raise InvalidArgument("template is not prefix-preserving for these messages")
+        return Rendered([9, 9] * len(messages), "".join(f"<{m.content}>" for m in messages))
+
     async def generate(
-        self, request_id: str, prompt: types_pb2.Prompt, sampling: Sampling
+        self,
+        request_id: str,
+        prompt: types_pb2.Prompt,
+        sampling: Sampling,
+        prompt_token_ids: Sequence[int] = (),
     ) -> list[types_pb2.Completion]:
         self._check_alive()
+        self.token_in.append(list(prompt_token_ids))
         if self.gate is not None:
             await self.gate.wait()
             self._check_alive()
@@ -233,7 +283,7 @@ class FakeRollout:
             types_pb2.Completion(
                 prompt_id=prompt.id,
                 index=i,
-                prompt_token_ids=[1, 2],
+                prompt_token_ids=[] if prompt_token_ids else [1, 2],
                 completion_token_ids=[3, 4, 5],
                 logprobs=[-1.0, -1.0, -1.0],
                 version_spans=[types_pb2.WeightVersionSpan(version=stamp, start=0, end=3)],

@@ -14,6 +14,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
 
+class TurnSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_SOURCE_UNSPECIFIED: _ClassVar[TurnSource]
+    TURN_SOURCE_MODEL: _ClassVar[TurnSource]
+    TURN_SOURCE_ENV: _ClassVar[TurnSource]
+
 class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
@@ -32,6 +38,9 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+TURN_SOURCE_UNSPECIFIED: TurnSource
+TURN_SOURCE_MODEL: TurnSource
+TURN_SOURCE_ENV: TurnSource
 CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_XXH3_64: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_WSUM64: ChecksumAlgorithm
@@ -43,15 +52,39 @@ WEIGHT_TRANSPORT_KIND_NCCL: WeightTransportKind
 WEIGHT_TRANSPORT_KIND_CHECKPOINT: WeightTransportKind
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments_json")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments_json: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
+
+class Transcript(_message.Message):
+    __slots__ = ("messages", "failure")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    failure: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("id", "env_name", "text", "messages", "reference_answer", "metadata")
+    __slots__ = ("id", "env_name", "text", "messages", "reference_answer", "metadata", "tools_json")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,13 +98,15 @@ class Prompt(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_ANSWER_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     id: str
     env_name: str
     text: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     reference_answer: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., env_name: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., reference_answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    tools_json: str
+    def __init__(self, id: _Optional[str] = ..., env_name: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., reference_answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop")
@@ -101,8 +136,22 @@ class WeightVersionSpan(_message.Message):
     end: int
     def __init__(self, version: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
+class Turn(_message.Message):
+    __slots__ = ("source", "start", "end", "finish_reason", "reward")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    source: TurnSource
+    start: int
+    end: int
+    finish_reason: FinishReason
+    reward: float
+    def __init__(self, source: _Optional[_Union[TurnSource, str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., reward: _Optional[float] = ...) -> None: ...
+
 class Completion(_message.Message):
-    __slots__ = ("prompt_id", "index", "prompt_token_ids", "completion_token_ids", "logprobs", "finish_reason", "version_spans", "sampling_params", "text", "rollout_id")
+    __slots__ = ("prompt_id", "index", "prompt_token_ids", "completion_token_ids", "logprobs", "finish_reason", "version_spans", "sampling_params", "text", "rollout_id", "turns")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +162,7 @@ class Completion(_message.Message):
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     index: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -123,7 +173,8 @@ class Completion(_message.Message):
     sampling_params: SamplingParams
     text: str
     rollout_id: str
-    def __init__(self, prompt_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., version_spans: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., text: _Optional[str] = ..., rollout_id: _Optional[str] = ...) -> None: ...
+    turns: _containers.RepeatedCompositeFieldContainer[Turn]
+    def __init__(self, prompt_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., version_spans: _Optional[_Iterable[_Union[WeightVersionSpan, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., text: _Optional[str] = ..., rollout_id: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ...) -> None: ...
 
 class RewardInfo(_message.Message):
     __slots__ = ("ok", "failure", "parsed_answer", "details")
@@ -145,20 +196,26 @@ class RewardInfo(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., failure: _Optional[str] = ..., parsed_answer: _Optional[str] = ..., details: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ScoredGroup(_message.Message):
-    __slots__ = ("group_id", "prompt", "completions", "rewards", "advantages", "reward_infos")
+    __slots__ = ("group_id", "prompt", "completions", "rewards", "advantages", "reward_infos", "prompt_token_ids", "sampling_params", "rollout_id")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     REWARD_INFOS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     prompt: Prompt
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     rewards: _containers.RepeatedScalarFieldContainer[float]
     advantages: _containers.RepeatedScalarFieldContainer[float]
     reward_infos: _containers.RepeatedCompositeFieldContainer[RewardInfo]
-    def __init__(self, group_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., rewards: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., reward_infos: _Optional[_Iterable[_Union[RewardInfo, _Mapping]]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params: SamplingParams
+    rollout_id: str
+    def __init__(self, group_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., rewards: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., reward_infos: _Optional[_Iterable[_Union[RewardInfo, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., rollout_id: _Optional[str] = ...) -> None: ...
 
 class TrainBatch(_message.Message):
     __slots__ = ("batch_id", "step", "groups")

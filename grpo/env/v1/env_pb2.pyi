@@ -31,7 +31,7 @@ class DescribeEnvironmentRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeEnvironmentResponse(_message.Message):
-    __slots__ = ("name", "description", "options_json", "train_size", "eval_size", "failure_policy", "failure_reward", "score_timeout_seconds", "reward_min", "reward_max", "success_threshold")
+    __slots__ = ("name", "description", "options_json", "train_size", "eval_size", "failure_policy", "failure_reward", "score_timeout_seconds", "reward_min", "reward_max", "success_threshold", "max_turns", "tools_json", "respond_timeout_seconds", "episode_timeout_seconds", "max_episode_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,11 @@ class DescribeEnvironmentResponse(_message.Message):
     REWARD_MIN_FIELD_NUMBER: _ClassVar[int]
     REWARD_MAX_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    RESPOND_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_EPISODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     options_json: str
@@ -54,7 +59,12 @@ class DescribeEnvironmentResponse(_message.Message):
     reward_min: float
     reward_max: float
     success_threshold: float
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., options_json: _Optional[str] = ..., train_size: _Optional[int] = ..., eval_size: _Optional[int] = ..., failure_policy: _Optional[_Union[FailurePolicy, str]] = ..., failure_reward: _Optional[float] = ..., score_timeout_seconds: _Optional[float] = ..., reward_min: _Optional[float] = ..., reward_max: _Optional[float] = ..., success_threshold: _Optional[float] = ...) -> None: ...
+    max_turns: int
+    tools_json: str
+    respond_timeout_seconds: float
+    episode_timeout_seconds: float
+    max_episode_tokens: int
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., options_json: _Optional[str] = ..., train_size: _Optional[int] = ..., eval_size: _Optional[int] = ..., failure_policy: _Optional[_Union[FailurePolicy, str]] = ..., failure_reward: _Optional[float] = ..., score_timeout_seconds: _Optional[float] = ..., reward_min: _Optional[float] = ..., reward_max: _Optional[float] = ..., success_threshold: _Optional[float] = ..., max_turns: _Optional[int] = ..., tools_json: _Optional[str] = ..., respond_timeout_seconds: _Optional[float] = ..., episode_timeout_seconds: _Optional[float] = ..., max_episode_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplePromptsRequest(_message.Message):
     __slots__ = ("n", "split", "start")
@@ -75,12 +85,14 @@ class SamplePromptsResponse(_message.Message):
     def __init__(self, prompts: _Optional[_Iterable[_Union[_types_pb2.Prompt, _Mapping]]] = ..., next_position: _Optional[int] = ...) -> None: ...
 
 class ScoreCompletionsRequest(_message.Message):
-    __slots__ = ("prompt", "completions")
+    __slots__ = ("prompt", "completions", "transcripts")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPTS_FIELD_NUMBER: _ClassVar[int]
     prompt: _types_pb2.Prompt
     completions: _containers.RepeatedCompositeFieldContainer[_types_pb2.Completion]
-    def __init__(self, prompt: _Optional[_Union[_types_pb2.Prompt, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[_types_pb2.Completion, _Mapping]]] = ...) -> None: ...
+    transcripts: _containers.RepeatedCompositeFieldContainer[_types_pb2.Transcript]
+    def __init__(self, prompt: _Optional[_Union[_types_pb2.Prompt, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[_types_pb2.Completion, _Mapping]]] = ..., transcripts: _Optional[_Iterable[_Union[_types_pb2.Transcript, _Mapping]]] = ...) -> None: ...
 
 class ScoreCompletionsResponse(_message.Message):
     __slots__ = ("rewards", "reward_infos", "skip_group", "failed_count")
@@ -128,6 +140,36 @@ class EvaluateResponse(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     results: _containers.RepeatedCompositeFieldContainer[ScoreCompletionsResponse]
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ..., results: _Optional[_Iterable[_Union[ScoreCompletionsResponse, _Mapping]]] = ...) -> None: ...
+
+class RespondRequest(_message.Message):
+    __slots__ = ("prompt", "transcripts")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPTS_FIELD_NUMBER: _ClassVar[int]
+    prompt: _types_pb2.Prompt
+    transcripts: _containers.RepeatedCompositeFieldContainer[_types_pb2.Transcript]
+    def __init__(self, prompt: _Optional[_Union[_types_pb2.Prompt, _Mapping]] = ..., transcripts: _Optional[_Iterable[_Union[_types_pb2.Transcript, _Mapping]]] = ...) -> None: ...
+
+class RespondResponse(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[EnvReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[EnvReply, _Mapping]]] = ...) -> None: ...
+
+class EnvReply(_message.Message):
+    __slots__ = ("messages", "done", "reward", "failure", "tool_calls", "tool_errors")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
+    done: bool
+    reward: float
+    failure: str
+    tool_calls: int
+    tool_errors: int
+    def __init__(self, messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., done: _Optional[bool] = ..., reward: _Optional[float] = ..., failure: _Optional[str] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ...) -> None: ...
 
 class GetEnvironmentStateRequest(_message.Message):
     __slots__ = ()

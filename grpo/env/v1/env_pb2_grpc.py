@@ -59,6 +59,11 @@ class EnvironmentServiceStub:
                 request_serializer=grpo_dot_env_dot_v1_dot_env__pb2.EvaluateRequest.SerializeToString,
                 response_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.EvaluateResponse.FromString,
                 _registered_method=True)
+        self.Respond = channel.unary_unary(
+                '/grpo.env.v1.EnvironmentService/Respond',
+                request_serializer=grpo_dot_env_dot_v1_dot_env__pb2.RespondRequest.SerializeToString,
+                response_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.RespondResponse.FromString,
+                _registered_method=True)
         self.GetEnvironmentState = channel.unary_unary(
                 '/grpo.env.v1.EnvironmentService/GetEnvironmentState',
                 request_serializer=grpo_dot_env_dot_v1_dot_env__pb2.GetEnvironmentStateRequest.SerializeToString,
@@ -106,6 +111,14 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Respond(self, request, context):
+        """The environment's answer to the model's latest turn in each live episode of one group: tool
+        results or a user message, or the end of the episode. Stateless: the transcript is the state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetEnvironmentState(self, request, context):
         """Counters (scored completions, failures by kind, worker restarts) and the split cursors.
         """
@@ -140,6 +153,11 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.Evaluate,
                     request_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.EvaluateRequest.FromString,
                     response_serializer=grpo_dot_env_dot_v1_dot_env__pb2.EvaluateResponse.SerializeToString,
+            ),
+            'Respond': grpc.unary_unary_rpc_method_handler(
+                    servicer.Respond,
+                    request_deserializer=grpo_dot_env_dot_v1_dot_env__pb2.RespondRequest.FromString,
+                    response_serializer=grpo_dot_env_dot_v1_dot_env__pb2.RespondResponse.SerializeToString,
             ),
             'GetEnvironmentState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEnvironmentState,
@@ -282,6 +300,33 @@ class EnvironmentService:
             '/grpo.env.v1.EnvironmentService/Evaluate',
             grpo_dot_env_dot_v1_dot_env__pb2.EvaluateRequest.SerializeToString,
             grpo_dot_env_dot_v1_dot_env__pb2.EvaluateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Respond(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo.env.v1.EnvironmentService/Respond',
+            grpo_dot_env_dot_v1_dot_env__pb2.RespondRequest.SerializeToString,
+            grpo_dot_env_dot_v1_dot_env__pb2.RespondResponse.FromString,
             options,
             channel_credentials,
             insecure,

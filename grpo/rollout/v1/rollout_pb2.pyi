@@ -8,6 +8,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RenderMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RENDER_MODE_UNSPECIFIED: _ClassVar[RenderMode]
+    RENDER_MODE_CONVERSATION: _ClassVar[RenderMode]
+    RENDER_MODE_BRIDGE: _ClassVar[RenderMode]
+    RENDER_MODE_TEXT: _ClassVar[RenderMode]
+
 class RolloutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ROLLOUT_STATUS_UNSPECIFIED: _ClassVar[RolloutStatus]
@@ -15,6 +22,10 @@ class RolloutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLLOUT_STATUS_READY: _ClassVar[RolloutStatus]
     ROLLOUT_STATUS_UPDATING: _ClassVar[RolloutStatus]
     ROLLOUT_STATUS_DRAINING: _ClassVar[RolloutStatus]
+RENDER_MODE_UNSPECIFIED: RenderMode
+RENDER_MODE_CONVERSATION: RenderMode
+RENDER_MODE_BRIDGE: RenderMode
+RENDER_MODE_TEXT: RenderMode
 ROLLOUT_STATUS_UNSPECIFIED: RolloutStatus
 ROLLOUT_STATUS_LOADING: RolloutStatus
 ROLLOUT_STATUS_READY: RolloutStatus
@@ -22,14 +33,16 @@ ROLLOUT_STATUS_UPDATING: RolloutStatus
 ROLLOUT_STATUS_DRAINING: RolloutStatus
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling_params")
+    __slots__ = ("request_id", "prompt", "sampling_params", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _types_pb2.Prompt
     sampling_params: _types_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.Prompt, _Mapping]] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("completions",)
@@ -127,12 +140,36 @@ class ScoreTokensResponse(_message.Message):
     weight_version: int
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
+class RenderMessagesRequest(_message.Message):
+    __slots__ = ("mode", "messages", "tools_json", "add_generation_prompt", "previous_tail", "text")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_TAIL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    mode: RenderMode
+    messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
+    tools_json: str
+    add_generation_prompt: bool
+    previous_tail: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, mode: _Optional[_Union[RenderMode, str]] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., previous_tail: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class RenderMessagesResponse(_message.Message):
+    __slots__ = ("token_ids", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
 class GetRolloutStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetRolloutStateResponse(_message.Message):
-    __slots__ = ("rollout_id", "weight_version", "staged_version", "status", "engine", "model", "in_flight", "max_in_flight", "tokens_generated", "weight_workers", "instance_id")
+    __slots__ = ("rollout_id", "weight_version", "staged_version", "status", "engine", "model", "in_flight", "max_in_flight", "tokens_generated", "weight_workers", "instance_id", "max_model_len")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +181,7 @@ class GetRolloutStateResponse(_message.Message):
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_WORKERS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     weight_version: int
     staged_version: int
@@ -155,4 +193,5 @@ class GetRolloutStateResponse(_message.Message):
     tokens_generated: int
     weight_workers: int
     instance_id: str
-    def __init__(self, rollout_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., weight_workers: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, rollout_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., staged_version: _Optional[int] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., weight_workers: _Optional[int] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,11 @@ class RolloutServiceStub:
                 request_serializer=grpo_dot_rollout_dot_v1_dot_rollout__pb2.ScoreTokensRequest.SerializeToString,
                 response_deserializer=grpo_dot_rollout_dot_v1_dot_rollout__pb2.ScoreTokensResponse.FromString,
                 _registered_method=True)
+        self.RenderMessages = channel.unary_unary(
+                '/grpo.rollout.v1.RolloutService/RenderMessages',
+                request_serializer=grpo_dot_rollout_dot_v1_dot_rollout__pb2.RenderMessagesRequest.SerializeToString,
+                response_deserializer=grpo_dot_rollout_dot_v1_dot_rollout__pb2.RenderMessagesResponse.FromString,
+                _registered_method=True)
         self.GetRolloutState = channel.unary_unary(
                 '/grpo.rollout.v1.RolloutService/GetRolloutState',
                 request_serializer=grpo_dot_rollout_dot_v1_dot_rollout__pb2.GetRolloutStateRequest.SerializeToString,
@@ -121,6 +126,15 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenderMessages(self, request, context):
+        """Tokens of chat messages through the model's chat template, or of a text: a first prompt, or the
+        bridge that appends an environment's messages to an episode after a model turn without
+        re-rendering (so re-tokenizing) anything before it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetRolloutState(self, request, context):
         """Current version, load and engine facts.
         """
@@ -160,6 +174,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.ScoreTokens,
                     request_deserializer=grpo_dot_rollout_dot_v1_dot_rollout__pb2.ScoreTokensRequest.FromString,
                     response_serializer=grpo_dot_rollout_dot_v1_dot_rollout__pb2.ScoreTokensResponse.SerializeToString,
+            ),
+            'RenderMessages': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenderMessages,
+                    request_deserializer=grpo_dot_rollout_dot_v1_dot_rollout__pb2.RenderMessagesRequest.FromString,
+                    response_serializer=grpo_dot_rollout_dot_v1_dot_rollout__pb2.RenderMessagesResponse.SerializeToString,
             ),
             'GetRolloutState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRolloutState,
@@ -329,6 +348,33 @@ class RolloutService:
             '/grpo.rollout.v1.RolloutService/ScoreTokens',
             grpo_dot_rollout_dot_v1_dot_rollout__pb2.ScoreTokensRequest.SerializeToString,
             grpo_dot_rollout_dot_v1_dot_rollout__pb2.ScoreTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenderMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo.rollout.v1.RolloutService/RenderMessages',
+            grpo_dot_rollout_dot_v1_dot_rollout__pb2.RenderMessagesRequest.SerializeToString,
+            grpo_dot_rollout_dot_v1_dot_rollout__pb2.RenderMessagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

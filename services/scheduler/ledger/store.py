@@ -118,6 +118,9 @@ def _scored_row(group: ScoredGroup) -> tuple[str, bytes, str]:
         prompt=group.prompt,
         completions=group.completions,
         reward_infos=group.reward_infos,
+        prompt_token_ids=group.prompt_token_ids,
+        sampling_params=group.sampling_params,
+        rollout_id=group.rollout_id,
     )
     return group.group_id, message.SerializeToString(), json.dumps(list(group.rewards))
 
@@ -329,8 +332,11 @@ def load_scored(db: sqlite3.Connection, group_ids: list[str]) -> dict[str, Score
         completions = list(message.completions)
         versions = {span.version for c in completions for span in c.version_spans}
         found[gid] = ScoredGroup(
-            gid, message.prompt, completions, json.loads(row[1]), list(message.reward_infos), versions
-        )
+            gid, message.prompt, completions, json.loads(row[1]), list(message.reward_infos), versions,
+            prompt_token_ids=list(message.prompt_token_ids),
+            sampling_params=message.sampling_params if message.HasField("sampling_params") else None,
+            rollout_id=message.rollout_id,
+        )  # fmt: skip
     return found
 
 

@@ -153,6 +153,24 @@ class TokenRate:
         return rate
 
 
+def episode_record(groups: Sequence[ScoredGroup]) -> dict[str, float]:
+    """A multi-turn step's episode figures: tool-call rate (episodes with at least one call), calls
+    and failed calls per episode, model turns per episode, failed episodes, environment tokens."""
+    stats = [g.stats for g in groups if g.stats]
+    if not stats:
+        return {}
+    total = {key: math.fsum(s.get(key, 0.0) for s in stats) for key in stats[0]}
+    episodes = max(1.0, total["episodes"])
+    return {
+        "episode/tool_call_rate": total["episodes_with_tool_calls"] / episodes,
+        "episode/tool_calls_mean": total["tool_calls"] / episodes,
+        "episode/tool_errors_mean": total["tool_errors"] / episodes,
+        "episode/turns_mean": total["model_turns"] / episodes,
+        "episode/failures": total["failures"],
+        "episode/env_tokens_mean": total["env_tokens"] / episodes,
+    }
+
+
 def step_record(
     groups: Sequence[ScoredGroup], staleness: Sequence[int], result: StepResult, **extra: Any
 ) -> dict[str, Any]:
@@ -160,7 +178,7 @@ def step_record(
     and whatever the caller adds (the sync's phases: `SyncResult.record()`)."""
     rewards = [r for g in groups for r in g.rewards]
     reward_mean = statistics.fmean(rewards)
-    return {
+    return episode_record(groups) | {
         "step": result.step,
         "weight_version": result.weight_version,
         "reward_mean": reward_mean,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from grpo.common.v1 import types_pb2
+from grpo.env.v1 import env_pb2
 from services.transports import Receiver, TransportKind
 from services.transports.cuda_ipc_fence import Holder
 
@@ -36,6 +37,25 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """What the scheduler needs to know of its environment to run its episodes."""
+
+    name: str = ""
+    max_turns: int = 1  # model turns per episode (1 = single-turn: no Respond calls)
+    respond_timeout: float = 30.0  # the env's own deadline of one Respond (tools included)
+    episode_timeout: float = 0.0  # wall-clock limit of an episode (0 = none)
+    max_episode_tokens: int = 0  # token budget of an episode after its prompt (0 = none)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """Tokens (and their text) the rollout rendered through the chat template."""
+
+    token_ids: list[int]
+    text: str
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,11 @@ class ScoredGroup:
     rewards: list[float]
     reward_infos: Sequence[types_pb2.RewardInfo] = ()
     versions: AbstractSet[int] = frozenset()  # weight versions that produced its tokens (read once)
+    stats: dict[str, float] = field(default_factory=dict)  # its episodes' figures (multi-turn tasks)
+    # per-group facts, once for the group (its completions' own copies are cleared: `hoist_facts`)
+    prompt_token_ids: Sequence[int] = ()
+    sampling_params: types_pb2.SamplingParams | None = None
+    rollout_id: str = ""
 
 
 @dataclass
@@ -112,18 +137,25 @@ class RolloutInfo:
     max_in_flight: int
     weight_workers: int = 1  # processes that receive collective weight transfers
     instance_id: str = ""  # changes when the rollout restarts
+    max_model_len: int = 0  # longest prompt + completion it accepts (0 = unknown)
 
 
 class EnvClient(Protocol):
+    async def describe(self) -> EnvInfo: ...
+
     async def sample(self, n: int, split: Split, start: int | None = None) -> list[types_pb2.Prompt]:
         """`n` prompts (fewer from a finite eval split: never repeated); `start` positions the cursor."""
 
-    async def score(
-        self, prompt: types_pb2.Prompt, completions: Sequence[types_pb2.Completion]
-    ) -> Scores: ...
+    async def respond(
+        self, prompt: types_pb2.Prompt, transcripts: Sequence[types_pb2.Transcript]
+    ) -> list[env_pb2.EnvReply]:
+        """The environment's turn in each live episode of a group (one reply per transcript)."""
+
+    async def score(self, prompt: types_pb2.Prompt, transcripts: Sequence[types_pb2.Transcript]) -> Scores:
+        """One group's episodes, by what was said (the env reads no tokens or logprobs)."""
 
     async def evaluate(
-        self, groups: Sequence[tuple[types_pb2.Prompt, Sequence[types_pb2.Completion]]]
+        self, groups: Sequence[tuple[types_pb2.Prompt, Sequence[types_pb2.Transcript]]]
     ) -> dict[str, float]:
         """Eval metrics (keys `eval/...`) of scored held-out groups."""
 
@@ -157,9 +189,22 @@ class RolloutClient(Protocol):
     async def state(self) -> RolloutInfo: ...
 
     async def generate(
-        self, request_id: str, prompt: types_pb2.Prompt, sampling: Sampling
+        self,
+        request_id: str,
+        prompt: types_pb2.Prompt,
+        sampling: Sampling,
+        prompt_token_ids: Sequence[int] = (),
     ) -> list[types_pb2.Completion]:
-        """All `sampling.n` completions of one prompt (in any order)."""
+        """All `sampling.n` completions of one prompt (in any order); with `prompt_token_ids`, of
+        exactly these tokens (token-in: a later turn of an episode; the completions then carry no
+        prompt tokens)."""
+
+    async def render_bridge(
+        self, messages: Sequence[types_pb2.ChatMessage], previous_tail: Sequence[int], tools_json: str = ""
+    ) -> Rendered:
+        """The tokens that append `messages` after a model turn ending in `previous_tail`: the rest of
+        the assistant's end of turn, the messages, the next generation prompt. Nothing before is
+        rendered again."""
 
     async def stage(
         self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False

@@ -18,8 +18,10 @@ from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.clients import GrpcClient
 from services.scheduler.peers.clients import (
     Batch,
+    EnvInfo,
     LearnerInfo,
     PreparedWeights,
+    Rendered,
     RolloutInfo,
     Sampling,
     Scores,
@@ -78,21 +80,39 @@ class GrpcEnvClient(_PeerClient[env_pb2_grpc.EnvironmentServiceStub]):
     def __init__(self, address: str, timeouts: TimeoutSettings) -> None:
         super().__init__(address, env_pb2_grpc.EnvironmentServiceStub, "env", timeouts)
 
+    async def describe(self) -> EnvInfo:
+        request = env_pb2.DescribeEnvironmentRequest()
+        d = await self.unary("DescribeEnvironment", request, self._timeouts.control)
+        return EnvInfo(
+            d.name,
+            max(1, d.max_turns),
+            d.respond_timeout_seconds or 30.0,
+            d.episode_timeout_seconds,
+            d.max_episode_tokens,
+        )
+
     async def sample(self, n: int, split: Split, start: int | None = None) -> list[types_pb2.Prompt]:
         request = env_pb2.SamplePromptsRequest(n=n, split=_SPLITS[split], start=start)
         response = await self.unary("SamplePrompts", request, self._timeouts.control)
         return list(response.prompts)
 
-    async def score(self, prompt: types_pb2.Prompt, completions: Sequence[types_pb2.Completion]) -> Scores:
-        request = env_pb2.ScoreCompletionsRequest(prompt=prompt, completions=completions)
+    async def respond(
+        self, prompt: types_pb2.Prompt, transcripts: Sequence[types_pb2.Transcript]
+    ) -> list[env_pb2.EnvReply]:
+        request = env_pb2.RespondRequest(prompt=prompt, transcripts=transcripts)
+        # the env answers each episode within its own respond deadline (tools included)
+        return list((await self.unary("Respond", request, self._timeouts.score)).replies)
+
+    async def score(self, prompt: types_pb2.Prompt, transcripts: Sequence[types_pb2.Transcript]) -> Scores:
+        request = env_pb2.ScoreCompletionsRequest(prompt=prompt, transcripts=transcripts)
         response = await self.unary("ScoreCompletions", request, self._timeouts.score)
         return Scores(list(response.rewards), list(response.reward_infos), response.skip_group)
 
     async def evaluate(
-        self, groups: Sequence[tuple[types_pb2.Prompt, Sequence[types_pb2.Completion]]]
+        self, groups: Sequence[tuple[types_pb2.Prompt, Sequence[types_pb2.Transcript]]]
     ) -> dict[str, float]:
         request = env_pb2.EvaluateRequest(
-            groups=[env_pb2.ScoreCompletionsRequest(prompt=p, completions=cs) for p, cs in groups]
+            groups=[env_pb2.ScoreCompletionsRequest(prompt=p, transcripts=ts) for p, ts in groups]
         )
         return dict((await self.unary("Evaluate", request, self._timeouts.score)).metrics)
 
@@ -116,6 +136,9 @@ class GrpcLearnerClient(_PeerClient[learner_pb2_grpc.LearnerServiceStub]):
                     rewards=group.rewards,
                     advantages=advantages,
                     reward_infos=group.reward_infos,
+                    prompt_token_ids=group.prompt_token_ids,
+                    sampling_params=group.sampling_params,
+                    rollout_id=group.rollout_id,
                 )
             )
         request = learner_pb2.TrainStepRequest(batch=message)
@@ -184,17 +207,38 @@ class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
             s.max_in_flight,
             max(1, s.weight_workers),
             s.instance_id,
+            s.max_model_len,
         )
 
     async def generate(
-        self, request_id: str, prompt: types_pb2.Prompt, sampling: Sampling
+        self,
+        request_id: str,
+        prompt: types_pb2.Prompt,
+        sampling: Sampling,
+        prompt_token_ids: Sequence[int] = (),
     ) -> list[types_pb2.Completion]:
-        """One group, sent with the others issued to this rollout within the batching window
-        (`grpc_generate.py`)."""
+        """One group (or one episode's turn, token-in), sent with the others issued to this rollout
+        within the batching window (`grpc_generate.py`)."""
         request = rollout_pb2.GenerateRequest(
-            request_id=request_id, prompt=prompt, sampling_params=_sampling_params(sampling)
+            request_id=request_id,
+            prompt=prompt,
+            sampling_params=_sampling_params(sampling),
+            prompt_token_ids=prompt_token_ids,
         )
         return await self.batcher.generate(request, sampling.n)
+
+    async def render_bridge(
+        self, messages: Sequence[types_pb2.ChatMessage], previous_tail: Sequence[int], tools_json: str = ""
+    ) -> Rendered:
+        request = rollout_pb2.RenderMessagesRequest(
+            mode=rollout_pb2.RENDER_MODE_BRIDGE,
+            messages=messages,
+            tools_json=tools_json,
+            add_generation_prompt=True,
+            previous_tail=previous_tail,
+        )
+        response = await self.unary("RenderMessages", request, self._timeouts.control)
+        return Rendered(list(response.token_ids), response.text)
 
     async def stage(
         self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False

@@ -49,17 +49,24 @@ class RolloutSlot:
         return self.healthy
 
 
+def credits_taken(candidate: Candidate, cost: int) -> int:
+    """Credits a unit of work of `cost` requests takes on a rollout: all of its credits when it has
+    fewer (it then runs the work's requests a few at a time)."""
+    return max(1, min(cost, candidate.max_in_flight))
+
+
 def choose_rollout(
-    candidates: Iterable[CandidateT], train_version: int, max_staleness: int
+    candidates: Iterable[CandidateT], train_version: int, max_staleness: int, cost: int = 1
 ) -> CandidateT | None:
-    """The least-loaded usable rollout with a free credit whose weights are fresh enough for a group
-    that will be trained at `train_version` (ties: fewer in flight, then by name); None if none
-    qualifies now. One pass, no allocation per candidate: the dispatcher runs it for every group."""
+    """The least-loaded usable rollout with `cost` free credits (`credits_taken`) whose weights are
+    fresh enough for a group that will be trained at `train_version` (ties: fewer in flight, then by
+    name); None if none qualifies now. One pass, no allocation per candidate: the dispatcher runs it
+    for every group."""
     oldest = train_version - max_staleness
     best, best_key = None, None
     for c in candidates:
         in_flight, limit = c.in_flight, c.max_in_flight
-        if in_flight < limit and c.version >= oldest and c.usable:
+        if in_flight + credits_taken(c, cost) <= limit and c.version >= oldest and c.usable:
             key = (in_flight / max(1, limit), in_flight, c.name)
             if best_key is None or key < best_key:
                 best, best_key = c, key

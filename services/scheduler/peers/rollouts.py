@@ -22,7 +22,7 @@ from services.common.errors import GrpoError, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
 from services.scheduler.peers.clients import RolloutClient
 from services.scheduler.peers.own_pause import PauseWatch
-from services.scheduler.peers.placement import RolloutSlot, choose_rollout
+from services.scheduler.peers.placement import RolloutSlot, choose_rollout, credits_taken
 from services.transports.cuda_ipc_fence import Holder
 
 log = get_logger(__name__)
@@ -42,6 +42,7 @@ class RolloutHandle:
     needs_sync: bool = False
     weight_workers: int = 1
     instance_id: str = ""
+    max_model_len: int = 0
     registered: bool = False  # joined with RegisterWorker (forgotten when unreachable too long)
     unreachable_since: float | None = field(default_factory=time.monotonic)  # None while healthy
     # its `version` is what it serves for certain: false from a stage or commit it did not answer
@@ -216,6 +217,7 @@ class RolloutPool:
         handle.version, handle.version_known = info.weight_version, True
         handle.max_in_flight = max(1, info.max_in_flight)
         handle.weight_workers, handle.instance_id = info.weight_workers, info.instance_id
+        handle.max_model_len = info.max_model_len
         if info.ready and not handle.healthy:
             # sticky: a rollout flagged (failed sync, or weights of a lineage the learner lost) stays so
             handle.needs_sync = handle.needs_sync or handle.version != current_version
@@ -256,21 +258,25 @@ class RolloutPool:
                     call.cancel()
             self.changed.notify_all()
 
-    async def acquire(self, train_version: Callable[[], int], max_staleness: int) -> RolloutHandle:
-        """Wait for a rollout with a free credit whose weights are at most `max_staleness` versions
-        older than `train_version()` (re-evaluated on every change), and take one credit on it."""
+    async def acquire(
+        self, train_version: Callable[[], int], max_staleness: int, cost: int = 1
+    ) -> RolloutHandle:
+        """Wait for a rollout with `cost` free credits (all of them, on one whose max_in_flight is
+        smaller: a multi-turn group's G episodes are G requests at once) whose weights are at most
+        `max_staleness` versions older than `train_version()` (re-evaluated on every change), and
+        take them. `credits_taken(handle, cost)` says how many that was: release as many."""
         handles = self._by_address.values()
-        handle = choose_rollout(handles, train_version(), max_staleness)
+        handle = choose_rollout(handles, train_version(), max_staleness, cost)
         if handle is None:  # nothing free now: wait for a change (the lock is only needed to wait)
             async with self.changed:
-                while (handle := choose_rollout(handles, train_version(), max_staleness)) is None:
+                while (handle := choose_rollout(handles, train_version(), max_staleness, cost)) is None:
                     await self.changed.wait()
-        handle.in_flight += 1
+        handle.in_flight += credits_taken(handle, cost)
         return handle
 
-    async def release(self, handle: RolloutHandle) -> None:
+    async def release(self, handle: RolloutHandle, credits: int = 1) -> None:
         async with self.changed:
-            handle.in_flight -= 1
+            handle.in_flight -= credits
             self.changed.notify_all()
 
     async def notify(self) -> None:

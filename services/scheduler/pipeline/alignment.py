@@ -2,7 +2,10 @@
 sequence and must agree on its logprobs (max |Δ| ≤ `alignment_threshold`; fp32 keeps it ≤ 1e-4).
 
 The probe is made once per scheduler start: one seeded completion (at most `alignment_probe_tokens`
-long) of the env's first eval prompt, from the first rollout that answers. `alignment_action` decides
+long) of the env's first eval prompt, from the first rollout that answers. For a multi-turn env it is
+an episode in token space, exactly as training builds them: that completion, an environment turn
+appended as tokens (`render_bridge` of a user message) and a second model turn generated token-in, so
+the check covers the long mixed sequences that are trained. `alignment_action` decides
 what a disagreement does: `fail` stops the run (AlignmentError), `warn` logs it.
 """
 
@@ -30,6 +33,7 @@ class AlignmentProbe:
         self.settings = settings
         self._syncer = syncer
         self.sequence: types_pb2.TokenSequence | None = None
+        self.multi_turn = False  # set from the env's description before `make`
 
     async def make(self, env: EnvClient, pool: RolloutPool) -> types_pb2.TokenSequence:
         """A fixed probe: one seeded completion of the env's first eval prompt, no longer than
@@ -49,13 +53,30 @@ class AlignmentProbe:
                 continue
             if not completions:
                 raise RuntimeError("probe generation returned nothing")
+            prompt_ids = list(completions[0].prompt_token_ids)
+            tokens = list(completions[0].completion_token_ids)
+            if self.multi_turn:
+                tokens += await self._second_turn(handle, prompt, sampling, prompt_ids, tokens)
             self.sequence = types_pb2.TokenSequence(
-                prompt_token_ids=completions[0].prompt_token_ids,
-                completion_token_ids=completions[0].completion_token_ids,
-                temperature=cfg.temperature,
+                prompt_token_ids=prompt_ids, completion_token_ids=tokens, temperature=cfg.temperature
             )
             return self.sequence
         raise RuntimeError("no rollout answered the probe generation")
+
+    async def _second_turn(
+        self,
+        handle: RolloutHandle,
+        prompt: types_pb2.Prompt,
+        sampling: Sampling,
+        prompt_ids: list[int],
+        tokens: list[int],
+    ) -> list[int]:
+        """An environment turn (as tokens) and a second model turn (token-in) after the first."""
+        message = types_pb2.ChatMessage(role="user", content="Go on.")
+        bridge = (await handle.client.render_bridge([message], tokens[-8:], prompt.tools_json)).token_ids
+        request_id = f"probe-{uuid.uuid4().hex[:8]}"
+        second = await handle.client.generate(request_id, prompt, sampling, prompt_ids + tokens + bridge)
+        return bridge + list(second[0].completion_token_ids)
 
     async def score_learner(self) -> TokenScores:
         """The learner's side of the next check, taken now (while it holds the version to check)."""

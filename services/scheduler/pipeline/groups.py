@@ -1,6 +1,7 @@
 """The group pipeline: train prompts in, scored groups out.
 
     feeder ──prompts──▶ dispatcher ──(a task per group)──▶ generate (rollout) ▶ score (env) ──scored──▶
+                                                         (▶ later turns: env ⇄ rollout, episodes.py)
 
 The feeder draws prompts from the env's train stream at positions the scheduler owns (`cursor`: the
 env's own cursor, lost when it restarts, never matters, and the ledger restores ours). The
@@ -30,8 +31,10 @@ from services.scheduler.observe.metrics import TokenRate
 from services.scheduler.observe.timeline import SCORE, Timeline
 from services.scheduler.peers.clients import EnvClient, Sampling, ScoredGroup
 from services.scheduler.peers.patience import patiently
+from services.scheduler.peers.placement import credits_taken
 from services.scheduler.peers.rollouts import RolloutHandle, RolloutPool, abandonable
-from services.scheduler.pipeline.policy import expected_train_version
+from services.scheduler.pipeline.episodes import EnvTurnFailed, EpisodeRunner, model_tokens, transcripts_of
+from services.scheduler.pipeline.policy import expected_train_version, hoist_facts, span_versions
 
 log = get_logger(__name__)
 
@@ -57,8 +60,10 @@ class GroupPipeline:
         version: Callable[[], int],
         generation: Callable[[], int],
         timeline: Timeline | None = None,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.settings = settings
+        self.episodes = episodes or EpisodeRunner(settings, env)
         self.timeline = timeline or Timeline()
         self.env, self.pool, self.ledger, self.store = env, pool, ledger, store
         self._version, self._generation = version, generation
@@ -82,6 +87,11 @@ class GroupPipeline:
             top_k=s.top_k,
             max_tokens=s.max_tokens,
         )
+
+    @property
+    def cost(self) -> int:
+        """Rollout credits a group takes: one request (n = G), or G for a multi-turn task's episodes."""
+        return self.settings.group_size if self.episodes.multi_turn else 1
 
     def resume_at(self, cursor: int, reissue: Iterable[Drawn] = ()) -> None:
         """Continue the train stream at `cursor`, the prompts of `reissue` first (a restart's plan)."""
@@ -144,6 +154,7 @@ class GroupPipeline:
                     self._version(), self.ledger.in_pipeline(), cfg.groups_per_batch
                 ),
                 cfg.max_staleness,
+                self.cost,
             )
             position, prompt = await self._next_prompt()
             record = self.ledger.issue(
@@ -157,11 +168,21 @@ class GroupPipeline:
             await asyncio.sleep(0)
 
     async def _run_group(self, group_id: str, prompt: types_pb2.Prompt, handle: RolloutHandle) -> None:
-        """Generate (rollout) → score (env) → queue for training. Failures drop the group; retryable
-        ones re-issue its prompt, and only a rollout failure counts against the rollout."""
+        """Generate (rollout; a multi-turn task's later turns with the env) → score (env) → queue for
+        training. Failures drop the group; retryable ones re-issue its prompt, and only a rollout
+        failure counts against the rollout."""
         started = time.perf_counter()
         try:
             completions, versions, tokens = await self._generate(group_id, prompt, handle)
+            transcripts, turn_rewards, stats = transcripts_of(completions), None, None
+            if self.episodes.multi_turn:  # the rollout stays this group's until its episodes end
+                completions, transcripts, turn_rewards, stats = await self.episodes.run(
+                    group_id, prompt, completions, handle, self.sampling
+                )
+                versions, tokens = span_versions(completions), model_tokens(completions)
+        except EnvTurnFailed as exc:
+            self.fail(group_id, prompt, "env", exc.__cause__ if isinstance(exc.__cause__, GrpoError) else exc)
+            return
         except GrpoError as exc:
             if exc.unreachable:
                 await self.pool.mark(handle, healthy=False)
@@ -171,8 +192,8 @@ class GroupPipeline:
             log.exception("rollout returned an unusable group", group=group_id, rollout=handle.name)
             self.fail(group_id, prompt, f"rollout {handle.name}", exc)
             return
-        finally:
-            await self.pool.release(handle)  # the rollout is free as soon as generation ends
+        finally:  # the rollout is free as soon as generation ends
+            await self.pool.release(handle, credits_taken(handle, self.cost))
         generated = time.perf_counter()
         self.ledger.advance(group_id, GroupState.GENERATED, versions=versions)
         self.tokens.add(tokens)
@@ -182,7 +203,7 @@ class GroupPipeline:
         )  # fmt: skip
         try:  # an env that went away (restarting) is waited for: the completions are kept
             scores = await patiently(
-                self.settings.recovery, "env", lambda: self.env.score(prompt, completions)
+                self.settings.recovery, "env", lambda: self.env.score(prompt, transcripts)
             )
         except GrpoError as exc:
             self.fail(group_id, prompt, "env", exc)
@@ -192,13 +213,23 @@ class GroupPipeline:
             reasons = "; ".join(i.failure for i in scores.reward_infos if not i.ok)
             self.drop(group_id, f"scoring failed: {reasons}")
             return
-        if self.settings.dynamic_sampling and max(scores.rewards) - min(scores.rewards) <= 0.0:
+        rewards = list(scores.rewards)
+        if turn_rewards is not None:  # per-turn rewards add to the episode's score
+            rewards = [
+                r + t if i.ok else r
+                for r, t, i in zip(rewards, turn_rewards, scores.reward_infos, strict=True)
+            ]
+        if self.settings.dynamic_sampling and max(rewards) - min(rewards) <= 0.0:
             self.ledger.advance(group_id, GroupState.FILTERED, "zero reward variance (dynamic sampling)")
             self.filtered += 1
             await self.pool.notify()  # it left the pipeline: admission may let another group in
             return
         self.ledger.advance(group_id, GroupState.SCORED)
-        group = ScoredGroup(group_id, prompt, completions, scores.rewards, scores.reward_infos, versions)
+        prompt_ids, sampling, rollout_id = hoist_facts(completions)
+        group = ScoredGroup(
+            group_id, prompt, completions, rewards, scores.reward_infos, versions, stats or {},
+            prompt_ids, sampling, rollout_id,
+        )  # fmt: skip
         self.store.scored(group)
         await self.scored.put(group)
 

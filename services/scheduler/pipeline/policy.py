@@ -19,6 +19,21 @@ from services.common.advantages import compute_advantages
 from services.scheduler.peers.clients import Batch, ScoredGroup
 
 
+def hoist_facts(
+    completions: Sequence[types_pb2.Completion],
+) -> tuple[list[int], types_pb2.SamplingParams, str]:
+    """The group's prompt tokens, sampling parameters and rollout, taken from its first completion and
+    cleared in every member: they travel once per group (to the ledger and the learner), not G times."""
+    first = completions[0]
+    facts = list(first.prompt_token_ids), types_pb2.SamplingParams(), first.rollout_id
+    facts[1].CopyFrom(first.sampling_params)
+    for c in completions:
+        c.ClearField("prompt_token_ids")
+        c.ClearField("sampling_params")
+        c.ClearField("rollout_id")
+    return facts
+
+
 def span_versions(completions: Iterable[types_pb2.Completion]) -> set[int]:
     """Every weight version that produced a token of these completions."""
     versions = {span.version for c in completions for span in c.version_spans}

@@ -91,6 +91,9 @@ class StepReport:
             filtered_groups=filtered,
             filtered_fraction=filtered / (filtered + len(planned.groups)),
         )  # fmt: skip
+        if self._groups.episodes.multi_turn:  # run-wide: dropped groups' violations count too
+            record["episode/prefix_violations"] = self._groups.episodes.counts.prefix_violations
+            record["episode/failures_total"] = self._groups.episodes.counts.failures
         every = self._settings.eval_every
         if evaluate and every and result.step % every == 0:
             try:

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP gateway in front of rollout workers (docs/gateway.md)."""

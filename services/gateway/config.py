@@ -58,6 +58,15 @@ class AdmissionConfig(_Section):
         "--max-in-flight); when every usable rollout is at it, new requests get 429.",
     )
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After (seconds) of a 429.")
+    scheduler: str | None = Field(
+        default=None,
+        description="A training run's scheduler (host:port): 429 also while its run is paused or finished "
+        "or every rollout is more than --admission.max-staleness versions behind the learner.",
+    )
+    max_staleness: int = Field(
+        default=1, ge=0, description="The run's staleness bound (its --max-staleness)."
+    )
+    poll_interval_s: float = Field(default=1.0, gt=0, description="How often the scheduler's status is read.")
 
 
 class SessionConfig(_Section):

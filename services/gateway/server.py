@@ -35,7 +35,7 @@ from services.common.telemetry import (
     start_metrics,
     unregister,
 )
-from services.gateway.admission import Admission, InFlightAdmission
+from services.gateway.admission import Admission, InFlightAdmission, SchedulerClient, StalenessAdmission
 from services.gateway.config import GatewaySettings
 from services.gateway.gateway import Gateway
 from services.gateway.recorder import CallRecorder, JsonlRecorder, NullRecorder
@@ -61,7 +61,12 @@ class GatewayApp:
         bound = settings.admission.per_rollout_in_flight
         retry = settings.admission.retry_after_s
         self.pool = RolloutPool(clients, bound, retry, timeouts.health_interval_s)
-        admission = admission or InFlightAdmission(bound * len(clients), retry)
+        if admission is None:
+            admission = InFlightAdmission(bound * len(clients), retry)
+            run = settings.admission
+            if run.scheduler is not None:  # a training run's staleness bound as well
+                scheduler = SchedulerClient(run.scheduler, timeouts.control_s)
+                admission = StalenessAdmission(admission, scheduler, run.max_staleness, run.poll_interval_s)
         if recorder is None:
             path = settings.record.path
             recorder = NullRecorder() if path is None else JsonlRecorder(path, settings.record.max_pending)
@@ -76,6 +81,8 @@ class GatewayApp:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Any) -> AsyncIterator[None]:
         await self.pool.start()
+        if isinstance(self.gateway.admission, StalenessAdmission):
+            await self.gateway.admission.start()
         self._loop_lag.start()
         self._metrics = await asyncio.to_thread(
             start_metrics, self.settings.telemetry, self.settings.security, self.settings.host
@@ -95,6 +102,8 @@ class GatewayApp:
                 await asyncio.to_thread(self._metrics.close)
             await self._loop_lag.stop()
             await self.pool.stop()
+            if isinstance(self.gateway.admission, StalenessAdmission):
+                await self.gateway.admission.stop()
             await self.gateway.recorder.close()
             log.info("gateway stopped")
 

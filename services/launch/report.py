@@ -76,6 +76,9 @@ def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
         rate = lambda part: statistics.fmean(r["episode/tool_call_rate"] for r in part)  # noqa: E731
         summary["tool_call_rate_first"] = rate(episodes[:window])
         summary["tool_call_rate_last"] = rate(episodes[-window:])
+        valid = lambda part: statistics.fmean(r.get("episode/valid_tool_call_rate", 0.0) for r in part)  # noqa: E731
+        summary["valid_tool_call_rate_first"] = valid(episodes[:window])
+        summary["valid_tool_call_rate_last"] = valid(episodes[-window:])
         summary["turns_mean"] = statistics.fmean(r["episode/turns_mean"] for r in episodes)
         summary["prefix_violations"] = max(r.get("episode/prefix_violations", 0) for r in episodes)
     return summary

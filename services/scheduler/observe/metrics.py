@@ -154,8 +154,9 @@ class TokenRate:
 
 
 def episode_record(groups: Sequence[ScoredGroup]) -> dict[str, float]:
-    """A multi-turn step's episode figures: tool-call rate (episodes with at least one call), calls
-    and failed calls per episode, model turns per episode, failed episodes, environment tokens."""
+    """A multi-turn step's episode figures: tool-call rate (episodes with at least one call) and valid
+    tool-call rate (with at least one call that ran without error), calls and failed calls per
+    episode, model turns per episode, failed episodes, environment tokens."""
     stats = [g.stats for g in groups if g.stats]
     if not stats:
         return {}
@@ -163,6 +164,7 @@ def episode_record(groups: Sequence[ScoredGroup]) -> dict[str, float]:
     episodes = max(1.0, total["episodes"])
     return {
         "episode/tool_call_rate": total["episodes_with_tool_calls"] / episodes,
+        "episode/valid_tool_call_rate": total.get("episodes_with_valid_calls", 0.0) / episodes,
         "episode/tool_calls_mean": total["tool_calls"] / episodes,
         "episode/tool_errors_mean": total["tool_errors"] / episodes,
         "episode/turns_mean": total["model_turns"] / episodes,

@@ -178,6 +178,8 @@ def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
         "tool_calls": float(sum(e.tool_calls for e in episodes)),
         "tool_errors": float(sum(e.tool_errors for e in episodes)),
         "episodes_with_tool_calls": float(sum(1 for e in episodes if e.tool_calls)),
+        # at least one call that ran (well-formed, a known tool, valid arguments, no error)
+        "episodes_with_valid_calls": float(sum(1 for e in episodes if e.tool_calls > e.tool_errors)),
         "failures": float(sum(1 for e in episodes if e.failure)),
         "env_tokens": float(sum(t.end - t.start for e in episodes for t in e.turns if t.source == ENV)),
     }

@@ -65,6 +65,9 @@ class Evaluator:
             stats = [s for _, _, s in played]
             episodes = max(1.0, sum(s["episodes"] for s in stats))
             metrics["eval/tool_call_rate"] = sum(s["episodes_with_tool_calls"] for s in stats) / episodes
+            metrics["eval/valid_tool_call_rate"] = (
+                sum(s["episodes_with_valid_calls"] for s in stats) / episodes
+            )
             metrics["eval/turns_mean"] = sum(s["model_turns"] for s in stats) / episodes
             metrics["eval/episode_failures"] = sum(s["failures"] for s in stats)
         return metrics

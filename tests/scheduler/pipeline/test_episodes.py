@@ -57,6 +57,7 @@ async def test_episodes_grow_token_in_and_mask_the_environment_turns(tmp_path: P
     rows = _rows(tmp_path)
     assert rows[0]["episode/turns_mean"] == 3.0
     assert rows[0]["episode/tool_call_rate"] == 1.0 and rows[0]["episode/prefix_violations"] == 0
+    assert rows[0]["episode/valid_tool_call_rate"] == 1.0  # the fake env's calls all ran
 
 
 async def test_a_single_turn_task_never_calls_respond_and_keeps_one_model_turn(tmp_path: Path) -> None:
@@ -80,6 +81,17 @@ async def test_a_prefix_violation_ends_the_episode_as_a_failure_and_is_counted(t
     # never re-rendered: the episode keeps only the tokens it had, no env turn was appended
     assert all(list(e.completion_token_ids) == [3, 4, 5] for e in _episodes(c))
     assert _rows(tmp_path)[0]["episode/prefix_violations"] >= 4  # 2 groups x 2 episodes, run-wide
+
+
+async def test_a_failed_tool_call_counts_as_a_call_but_not_a_valid_one(tmp_path: Path) -> None:
+    env = FakeEnv(max_turns=2)
+    message = types_pb2.ChatMessage(role="tool", content="error: unknown tool 'rm'")
+    env.reply = lambda t: env_pb2.EnvReply(messages=[message], tool_calls=1, tool_errors=1)
+    c = cluster(tmp_path, FakeRollout("r0"), env=env, max_steps=1)
+    await c.run()
+    row = _rows(tmp_path)[0]
+    assert row["episode/tool_call_rate"] == 1.0 and row["episode/valid_tool_call_rate"] == 0.0
+    assert row["episode/tool_errors_mean"] == 1.0
 
 
 async def test_token_budget_and_env_failures_end_episodes_with_their_reason(tmp_path: Path) -> None:

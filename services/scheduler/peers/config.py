@@ -27,8 +27,15 @@ class TimeoutSettings(BaseModel):
     probe: float = Field(
         default=2.0,
         gt=0,
-        description="A rollout's answer to the alignment probe after a sync; one that does not answer in "
-        "time is taken out of work and probed after its next sync.",
+        description="A rollout's answer to the alignment probe after a sync, plus a probe token's share "
+        "(--timeouts.probe-tokens-per-s); one that does not answer in time is taken out of work and "
+        "probed after its next sync.",
+    )
+    probe_tokens_per_s: float = Field(
+        default=100.0,
+        gt=0,
+        description="The slowest rate (tokens/s) at which a healthy rollout scores the probe: each of its "
+        "tokens adds 1/rate seconds to --timeouts.probe (a multi-turn probe is hundreds of tokens long).",
     )
     generate: float = Field(
         default=300.0, description="One GenerateBatch stream (its groups, from the call to the last one)."

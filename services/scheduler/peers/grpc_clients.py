@@ -259,7 +259,9 @@ class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
 
     async def score_tokens(self, sequence: types_pb2.TokenSequence) -> TokenScores:
         request = rollout_pb2.ScoreTokensRequest(sequence=sequence)
-        response = await self.unary("ScoreTokens", request, self._timeouts.probe)
+        tokens = len(sequence.prompt_token_ids) + len(sequence.completion_token_ids)
+        deadline = self._timeouts.probe + tokens / self._timeouts.probe_tokens_per_s
+        response = await self.unary("ScoreTokens", request, deadline)
         return TokenScores(list(response.logprobs), response.weight_version)
 
     async def close(self) -> None:

@@ -68,6 +68,10 @@ class _Rollout(rollout_pb2_grpc.RolloutServiceServicer):
             rollout_id="r-1", weight_version=7, status=rollout_pb2.ROLLOUT_STATUS_UPDATING, max_in_flight=5
         )
 
+    async def ScoreTokens(self, request, context):
+        await asyncio.sleep(0.5)  # a rollout scoring at 200..400 tokens/s
+        return rollout_pb2.ScoreTokensResponse(logprobs=[-1.0] * len(request.sequence.completion_token_ids))
+
 
 class _Learner(learner_pb2_grpc.LearnerServiceServicer):
     def __init__(self) -> None:
@@ -119,6 +123,21 @@ async def test_rollout_client_speaks_domain_terms_and_maps_status_codes(servers)
         assert not crashed.value.retryable
         with pytest.raises(RemoteError, match="UNIMPLEMENTED"):  # not served by this test server
             await client.commit(1)
+    finally:
+        await client.close()
+
+
+async def test_the_probe_deadline_grows_with_the_probe_tokens(servers) -> None:
+    """A long (multi-turn) probe gets its tokens' share of time; a short one only the floor."""
+    address, _, _ = servers
+    timeouts = TIMEOUTS.model_copy(update={"probe": 0.2, "probe_tokens_per_s": 200.0})
+    client = GrpcRolloutClient(address, timeouts)
+    try:
+        long = types_pb2.TokenSequence(prompt_token_ids=[1] * 380, completion_token_ids=[2] * 20)  # 2.2 s
+        assert len((await client.score_tokens(long)).logprobs) == 20
+        short = types_pb2.TokenSequence(prompt_token_ids=[1] * 8, completion_token_ids=[2] * 2)  # 0.25 s
+        with pytest.raises(DeadlineExceeded):
+            await client.score_tokens(short)
     finally:
         await client.close()
 

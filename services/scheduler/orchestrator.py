@@ -91,12 +91,16 @@ class Orchestrator:
         if self.settings.trace:
             self.timeline.open(self.settings.run_dir / "trace.json")
         try:
-            await self._prepare(await self.store.open())
+            resumed = await self._prepare(await self.store.open())
+            # health rounds first: a rollout taken out of work by a missed probe comes back through
+            # them, and the step-0 evaluation needs a rollout
+            background = [asyncio.create_task(self._monitor_health(), name="health")]
+            if self.settings.eval_every and not resumed:
+                await self.report.evaluate_only(self.step, self.version)
             await self.report.track(self.run_id)
-            background = [
+            background += [
                 asyncio.create_task(self.groups.feed(), name="feeder"),
                 asyncio.create_task(self.groups.dispatch(), name="dispatcher"),
-                asyncio.create_task(self._monitor_health(), name="health"),
                 asyncio.create_task(self._flush_ledger(), name="ledger"),
                 asyncio.create_task(self.pool.pause_watch.run(), name="pause-watch"),
             ]
@@ -124,9 +128,10 @@ class Orchestrator:
             self.report.close()
             await asyncio.to_thread(self.timeline.close)
 
-    async def _prepare(self, snapshot: Snapshot) -> None:
+    async def _prepare(self, snapshot: Snapshot) -> bool:
         """Learn the learner's version and loss, continue from the ledger if it holds an earlier
-        incarnation's run, bring every rollout to the learner's version, fix the probe sequence."""
+        incarnation's run, bring every rollout to the learner's version, fix the probe sequence.
+        Whether the run resumed."""
         # a peer may still be (re)starting: a restarted scheduler must not fail on a learner loading
         state = await patiently(self.settings.recovery, "learner", self.learner.state)
         self.episodes.info = info = await patiently(self.settings.recovery, "env", self.env.describe)
@@ -162,8 +167,7 @@ class Orchestrator:
                 await self.syncer.sync(lagging)
         diff = await self.step_sync.first_check(self.env, self.version)
         log.info("ready to train", version=self.version, mode=self.advantage_mode, logprob_abs_diff_max=diff)
-        if self.settings.eval_every and not resumed:
-            await self.report.evaluate_only(self.step, self.version)
+        return resumed
 
     async def _go_back(self, snapshot: Snapshot, state: LearnerInfo) -> LearnerInfo:
         """The learner trained steps the ledger lost (a power loss): it goes back to a checkpoint the

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from services.common.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from services.scheduler.ledger.group_ledger import GroupState
 from services.scheduler.pipeline.groups import MAX_ATTEMPTS
 from services.scheduler.pipeline.weight_sync import AlignmentError
@@ -319,3 +319,23 @@ async def test_a_learner_that_cannot_publish_now_defers_the_sync_not_the_run(tmp
     rows = _rows(tmp_path)
     assert rows[0]["rollouts_synced"] == 0 and rows[-1]["rollouts_synced"] == 1
     assert c.rollouts["r0"].commits[-1] == 4
+
+
+async def test_a_probe_missed_at_start_does_not_hold_the_first_evaluation(tmp_path: Path) -> None:
+    """The first probe times out: its rollout is taken out of work before the step-0 evaluation. The
+    health rounds must be running by then to bring it back, or the evaluation waits forever."""
+    missed = []
+
+    async def first_probe_misses(rollout: FakeRollout) -> float:
+        if not missed:
+            missed.append(True)
+            raise DeadlineExceeded(f"rollout {rollout.address}: DEADLINE_EXCEEDED: Deadline Exceeded")
+        return 0.0
+
+    c = cluster(
+        tmp_path, FakeRollout("r0", on_probe=first_probe_misses), eval_every=1, eval_prompts=2, max_steps=2
+    )
+    await c.run()
+    assert missed and c.orchestrator.finished
+    rows = _rows(tmp_path)
+    assert rows[0]["eval_only"] and [r["step"] for r in rows if "reward_mean" in r] == [1, 2]

@@ -10,7 +10,9 @@
    through the `gguf` package, dequantized to fp32; saved as safetensors, which vLLM and the learner
    load), atomically: written into a temporary directory and renamed into place;
 3. a preset of demo settings tuned for this model on a 2-core CPU (`PretrainedModel.preset`) replaces
-   the tiny model's defaults for every option not given explicitly (`apply_preset`);
+   the tiny model's defaults for every option not given explicitly (`apply_preset`); when `--env`
+   names an environment the model has its own preset for (`PretrainedModel.env_presets`, e.g.
+   `tool_arithmetic`), that preset's values come first, then the model's for the rest;
 4. the task is `ChatArithmeticEnv`: the `arithmetic` problems asked in chat (system "Answer with the
    number only.", user "What is 7 - 3?"), scored on the last integer of the reply, so the instruct
    model's natural answer ("7 - 3 = 4") counts when it is right.
@@ -55,6 +57,12 @@ class PretrainedModel:
     gguf_file: str  # the file's name inside the distribution
     cache_name: str  # directory under .cache/ holding the converted checkpoint
     preset: dict[str, Any] = field(default_factory=dict)  # DemoSettings field -> value
+    # `--env` value -> DemoSettings field -> value; over `preset` when the command line's --env names it
+    env_presets: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def preset_for(self, env: str | None) -> dict[str, Any]:
+        """The preset for a run of environment `env` (the model's, under that env's own if it has one)."""
+        return {**self.preset, **self.env_presets.get((env or "").strip(), {})}
 
 
 ARITHMETIC_CHAT_ENV = "services.launch.pretrained:ChatArithmeticEnv"
@@ -83,6 +91,25 @@ SMOLLM2_135M = PretrainedModel(
         "eval_every": 12,
         "eval_prompts": 100,
         "eval_samples": 2,
+    },
+    env_presets={
+        # Measured on the 2-core CPU machine (docs/real-model.md, "A tool-using task"): an episode is a
+        # ~450-token prompt (tools block and two worked exchanges) plus a ~40-token call, the tool's
+        # answer and a ~10-token final answer; the learner's cost grows with all of it, so a step is
+        # one group of 4 episodes. A turn holds up to 48 tokens (a call on 5-digit operands is ~40).
+        "tool_arithmetic": {
+            "steps": 40,
+            "group_size": 4,
+            "groups_per_batch": 1,
+            "max_tokens": 48,
+            "temperature": 0.7,
+            "lora_rank": 16,
+            "lr": 4e-4,
+            "warmup_steps": 3,
+            "eval_every": 20,
+            "eval_prompts": 16,
+            "eval_samples": 1,
+        },
     },
 )
 
@@ -123,15 +150,20 @@ def apply_preset(settings: SettingsT, preset: Mapping[str, Any]) -> SettingsT:
 
 
 def with_model_preset(settings: SettingsT) -> SettingsT:
-    """The demo settings with the preset of the pretrained model their `model` names (if it names one)."""
+    """The demo settings with the preset of the pretrained model their `model` names (if it names one):
+    its preset for the environment `--env` names when it has one (`PretrainedModel.preset_for`), only
+    when `--env` was given explicitly (the default env is the tiny model's, not the user's choice)."""
     model = lookup(str(getattr(settings, "model", "")))
     if model is None:
         return settings
-    result = apply_preset(settings, model.preset)
-    applied = {key: getattr(result, key) for key in model.preset if key not in settings.model_fields_set}
+    env = str(getattr(settings, "env", "")) if "env" in settings.model_fields_set else None
+    preset = model.preset_for(env)
+    result = apply_preset(settings, preset)
+    applied = {key: getattr(result, key) for key in preset if key not in settings.model_fields_set}
     if applied:
         shown = ", ".join(f"{key}={value}" for key, value in applied.items())
-        print(f"{model.name} preset (flags override): {shown}", flush=True)
+        which = f"{model.name} preset for {env}" if env in model.env_presets else f"{model.name} preset"
+        print(f"{which} (flags override): {shown}", flush=True)
     return result
 
 

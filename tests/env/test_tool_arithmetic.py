@@ -39,7 +39,10 @@ def test_prompts_are_deterministic_and_long() -> None:
         left, op, right = item.metadata["expression"].split(" ")
         assert op == "+" and len(left) == len(right) == 5  # exactly `digits` digits
         assert int(item.reference_answer) == int(left) + int(right)
-        assert item.messages[-1] == {"role": "user", "content": f"What is {left} + {right}?"}
+        assert item.messages[-1] == {
+            "role": "user",
+            "content": f"What is {left} + {right}? Use a <tool_call>.",
+        }
         assert item.messages[0]["role"] == "system" and "calculator" in item.messages[0]["content"]
     assert [p.metadata for p in first] != [_env(seed=1).prompt_at("train", i).metadata for i in range(20)]
     assert env.prompt_at("eval", 0).metadata != env.prompt_at("train", 0).metadata
@@ -61,11 +64,13 @@ def test_precedence_and_options() -> None:
 
 
 def test_few_shot_exchanges_come_before_the_question() -> None:
-    default = _env().prompt_at("train", 0).messages
-    assert [m["role"] for m in default] == ["system", "user", "assistant", "tool", "assistant", "user"]
-    assert default[2]["content"] == calculator_call("2048 + 1931") and default[3]["content"] == "3979"
-    two = _env(few_shot=2).prompt_at("train", 0).messages
-    assert len(two) == 10 and two[-1] == default[-1]
+    one = _env(few_shot=1).prompt_at("train", 0).messages
+    assert [m["role"] for m in one] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert one[1]["content"] == "What is 2048 + 1931? Use a <tool_call>."  # the examples ask the same way
+    assert one[2]["content"] == calculator_call("2048 + 1931") and one[3]["content"] == "3979"
+    default = _env().prompt_at("train", 0).messages  # two exchanges by default
+    assert len(default) == 10 and default[-1] == one[-1]
+    assert default[6]["content"] == calculator_call("123 + 456") and default[7]["content"] == "579"
 
 
 @pytest.mark.parametrize(
@@ -151,3 +156,6 @@ def test_tools_schema() -> None:
     [tool] = json.loads(tools_json(_env()))
     assert tool["type"] == "function" and tool["function"]["name"] == "calculator"
     assert tool["function"]["parameters"]["required"] == ["expression"]
+    # one short line: the prompt's length is what a learner step costs (the shared tool's is ~90 tokens)
+    assert tool["function"]["description"] == "Evaluate an arithmetic expression exactly."
+    assert len(tools_json(_env())) < 400

@@ -107,6 +107,39 @@ def test_preset_env_override_goes_through() -> None:
     assert run_config(cfg, "m")["env"]["env_arg"] == ["digits=2"]
 
 
+def test_env_preset_applies_when_the_env_is_named_and_flags_still_win() -> None:
+    tool = SMOLLM2_135M.env_presets["tool_arithmetic"]
+    cfg = demo_settings("--model", "smollm2", "--env", "tool_arithmetic", "--lr", "1e-4", "--steps", "9")
+    assert cfg.env == "tool_arithmetic"
+    assert (cfg.lr, cfg.steps) == (1e-4, 9)  # flags win over the env preset too
+    for key, value in tool.items():
+        if key not in ("lr", "steps"):
+            assert getattr(cfg, key) == value, key
+    assert cfg.transport.value == SMOLLM2_135M.preset["transport"]  # the model preset fills the rest
+    assert cfg.model_fields_set == {"model", "env", "lr", "steps"}
+    config = run_config(cfg, "m")
+    assert config["env"]["spec"] == "tool_arithmetic" and config["env"]["env_args"] == {}
+    assert config["scheduler"]["group_size"] == tool["group_size"]
+    assert config["scheduler"]["sampling"]["max_tokens"] == tool["max_tokens"]
+
+
+def test_env_preset_only_for_the_env_it_names() -> None:
+    assert SMOLLM2_135M.preset_for("tool_arithmetic")["max_tokens"] == 48
+    assert SMOLLM2_135M.preset_for(None) == SMOLLM2_135M.preset
+    assert SMOLLM2_135M.preset_for("guessing") == SMOLLM2_135M.preset
+    other = demo_settings("--model", "smollm2", "--env", "guessing")
+    assert other.env == "guessing" and other.max_tokens == SMOLLM2_135M.preset["max_tokens"]
+    default = demo_settings("--model", "smollm2")  # no --env: the model's own task and preset
+    assert default.env == pretrained.ARITHMETIC_CHAT_ENV and default.steps == SMOLLM2_135M.preset["steps"]
+
+
+def test_every_env_preset_is_valid_demo_settings() -> None:
+    for model in pretrained.MODELS:
+        for env, preset in model.env_presets.items():
+            cfg = apply_preset(DemoSettings(env=env), preset)
+            assert cfg.steps >= 40 or "steps" not in preset  # first-20 vs last-20 steps stay disjoint
+
+
 # --- locating and installing the GGUF -------------------------------------------------------------
 
 

@@ -1,20 +1,26 @@
 """The `tool_arithmetic` built-in: arithmetic on numbers too long to add in one's head, with a calculator.
 
-A multi-turn tool task. The prompt is a chat question such as "What is 48213 + 99127?" whose operands
-have exactly `digits` digits (5 by default: a 135M model gets such sums right only by luck). The
-environment offers one tool, `calculator(expression)` (exact integer arithmetic,
-`services/env/tools/calculator.py`); the chat template (or, for a template without tool support, the
-rollout's hermes block) shows it to the model in the system message. The default `respond` runs the
-model's `<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call>` and answers
-with a tool message holding the exact result; a malformed call gets an error message; a turn without a
-call ends the episode. At most `max_turns` model turns (3: call, answer, one spare for a retry).
+A multi-turn tool task. The prompt is a chat question such as "What is 48213 + 99127? Use a
+<tool_call>." whose operands have exactly `digits` digits (5 by default: a 135M model gets such sums
+right only by luck). The environment offers one tool, `calculator(expression)` (exact integer
+arithmetic through `services/env/tools/calculator.py`, described to the model in one short line: the
+prompt's length is what a learner step costs); the chat template (or, for a template without tool
+support, the rollout's hermes block) shows it to the model in the system message. The default
+`respond` runs the model's `<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}
+</tool_call>` and answers with a tool message holding the exact result; a malformed call gets an error
+message; a turn without a call ends the episode. At most `max_turns` model turns (3: call, answer, one
+spare for a retry).
 
 Before the question the prompt shows `few_shot` worked exchanges as chat turns (user question,
-assistant call, tool result, assistant answer; 1 by default). Measured with SmolLM2-135M-Instruct at
-T=0.7 (the rollout's hermes tools block in the system message): with the example written into the
-system prompt instead, 0% of first turns hold a valid calculator call; with one exchange 6% (81% try a
-`<tool_call>`, mostly with an invented tool name, which the error message then corrects); with two,
-66%. One leaves the most room to learn.
+assistant call, tool result, assistant answer; 2 by default). Measured with SmolLM2-135M-Instruct on
+the prompts exactly as the rollout renders them (hermes tools block in the system message, tool
+results as `<tool_response>` user turns; teacher-forced probability of a valid calculator call as the
+first turn, 6 prompts): with the plain question "What is {expression}?" and one exchange, 0.000 (the
+model copies the nearer `<tool_response>`: sampled at T=0.7, 52% of first turns start with it and
+none holds a call), with two, 0.03; ending the question with "Use a <tool_call>." raises it to 0.003
+(one exchange) and 0.14 (two, with the short tool description; 447 prompt tokens), and at step 0 of
+a training run 50% of held-out episodes (16) end right, 94% with a call. docs/real-model.md has the
+training runs.
 
 Reward: 1.0 when the last integer of the final assistant message (its `<tool_call>` blocks removed,
 thousands separators dropped) equals the exact result, else 0.0. Calling the tool earns nothing by
@@ -44,6 +50,8 @@ _TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 _INTEGER = re.compile(r"-?\d+")
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Use the calculator tool for arithmetic."
+# Naming the call's tag last keeps a small model from copying the nearer `<tool_response>` (module doc).
+DEFAULT_QUESTION = "What is {expression}? Use a <tool_call>."
 # Worked exchanges shown before the question, as chat turns (`few_shot` of them, in this order).
 EXAMPLES: tuple[tuple[str, int], ...] = (("2048 + 1931", 3979), ("123 + 456", 579))
 
@@ -60,10 +68,10 @@ class ToolArithmeticOptions(BaseModel):
     eval_size: int = Field(default=200, ge=0, description="Number of held-out eval problems.")
     max_turns: int = Field(default=3, ge=1, le=16, description="Model turns per episode (calls + answer).")
     few_shot: int = Field(
-        default=1, ge=0, le=len(EXAMPLES), description="Worked call-and-answer exchanges before the question."
+        default=2, ge=0, le=len(EXAMPLES), description="Worked call-and-answer exchanges before the question."
     )
     question: str = Field(
-        default="What is {expression}?",
+        default=DEFAULT_QUESTION,
         description="The user message; {expression} becomes e.g. '4821 + 9912'.",
     )
     system_prompt: str | None = Field(
@@ -126,6 +134,17 @@ def calculator_call(expression: str) -> str:
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly.
+
+    Args:
+        expression: The expression, for example "123 + 456".
+    """
+    from services.env.tools.calculator import calculator as exact
+
+    return exact(expression)
+
+
 class ToolArithmeticEnv(Environment[ToolArithmeticOptions]):
     """Long-number arithmetic with a calculator tool; reward on the final answer only."""
 
@@ -137,8 +156,6 @@ class ToolArithmeticEnv(Environment[ToolArithmeticOptions]):
     max_turns: ClassVar[int] = 3
 
     def tools(self) -> Sequence[Callable[..., Any]]:
-        from services.env.tools.calculator import calculator
-
         return (calculator,)
 
     def split_size(self, split: SplitName) -> int:

@@ -1,16 +1,21 @@
 """What does the OpenAI-compatible gateway cost on top of the rollout's gRPC API? The same chat requests
-through `/v1/chat/completions` (a real `python -m services.gateway` process, driven with httpx) and
+through `/v1/chat/completions` (a real `python -m services.gateway` process, driven with aiohttp, or
+httpx with `--client httpx`) and
 straight through the rollout's gRPC `Generate` (driven with grpc.aio), measured in one run, against
 one rollout process (vLLM when importable, else transformers; `--engine`).
 
 Same requests on both sides: `--prompts` chat prompts (one user message each), `--n` samples,
 `--max-tokens`, temperature `--temperature`, with `--seed S` prompt i sampled with seed S + i (both
 sides then sample the same tokens and the engine does the same work: the bench reports the fraction
-of identical completions; unseeded by default, as vLLM's CPU build fails seeded requests under load),
+of identical completions; unseeded by default),
 all `--concurrency` at a time. gRPC: one Generate per prompt with the messages (the rollout renders
-them). Gateway: one POST per prompt with `logprobs` and `return_token_ids` (RenderMessages, then a
-token-in Generate). The model is the tiny model with random weights (`.cache/tiny-model-random`,
-built on first use), which rarely samples EOS, so completions run to --max-tokens on both sides.
+them). Gateway: one POST per prompt with `logprobs` and `return_token_ids` (a first chat call: one
+Generate with the messages, which the rollout renders). The client matters at this rate: httpx's
+connection pool costs the bench process more CPU per request than the gateway spends (profiled with
+py-spy: `AsyncConnectionPool._assign_requests_to_connections` checks every connection's socket on every
+request), on the same 2 cores the rollout needs; aiohttp is the default. The model is the tiny model
+with random weights (`.cache/tiny-model-random`, built on first use), which rarely samples EOS, so
+completions run to --max-tokens on both sides.
 
 Runs alternate (grpc, gateway, grpc, gateway, ... `--repeats` pairs, after one untimed warm-up of
 each). Per run: completion tokens received / wall time from the first request sent to the last
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -39,6 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 import httpx  # noqa: E402
 
@@ -66,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "build dies on seeded requests under load: 'CPU Generator does not use offset')",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed (grpc, gateway) pairs")
+    parser.add_argument(
+        "--client",
+        choices=["aiohttp", "httpx"],
+        default="aiohttp",
+        help="the HTTP client of the gateway side",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line too")
     return parser.parse_args(argv)
@@ -135,7 +148,9 @@ async def run_grpc(stub: Any, args: argparse.Namespace, tag: str) -> list[list[t
     return await bounded(args.concurrency, [job(i) for i in range(args.prompts)])
 
 
-async def run_gateway(client: httpx.AsyncClient, args: argparse.Namespace) -> list[list[tuple[int, ...]]]:
+async def run_gateway(client: Any, args: argparse.Namespace) -> list[list[tuple[int, ...]]]:
+    """The prompts through /v1/chat/completions with `client` (an aiohttp or httpx session)."""
+
     def job(index: int) -> Any:
         async def call() -> list[tuple[int, ...]]:
             body = {
@@ -143,9 +158,15 @@ async def run_gateway(client: httpx.AsyncClient, args: argparse.Namespace) -> li
                 "seed": seed(args, index), "temperature": args.temperature, "logprobs": True,
                 "return_token_ids": True,
             }  # fmt: skip
-            reply = await client.post("/v1/chat/completions", json=body)
-            reply.raise_for_status()
-            return [tuple(c["token_ids"]) for c in reply.json()["choices"]]
+            if isinstance(client, httpx.AsyncClient):
+                reply = await client.post("/v1/chat/completions", json=body)
+                reply.raise_for_status()
+                answer = reply.json()
+            else:
+                async with client.post("/v1/chat/completions", json=body) as reply:
+                    reply.raise_for_status()
+                    answer = await reply.json()
+            return [tuple(c["token_ids"]) for c in answer["choices"]]
 
         return call
 
@@ -189,12 +210,25 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         )
         channel = grpc.aio.insecure_channel(address)
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-        limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-        async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{gport}", timeout=600, limits=limits
-        ) as client:
-            while (await client.get("/health")).status_code != 200:  # noqa: ASYNC110 (another process)
-                await asyncio.sleep(0.2)
+        base = f"http://127.0.0.1:{gport}"
+        async with contextlib.AsyncExitStack() as stack:
+            if args.client == "httpx":
+                limits = httpx.Limits(
+                    max_connections=args.concurrency, max_keepalive_connections=args.concurrency
+                )
+                client: Any = await stack.enter_async_context(
+                    httpx.AsyncClient(base_url=base, timeout=600, limits=limits)
+                )
+            else:
+                client = await stack.enter_async_context(
+                    aiohttp.ClientSession(
+                        base, connector=aiohttp.TCPConnector(limit=args.concurrency),
+                        timeout=aiohttp.ClientTimeout(total=600),
+                    )
+                )  # fmt: skip
+            async with httpx.AsyncClient(base_url=base, timeout=30) as probe:
+                while (await probe.get("/health")).status_code != 200:  # noqa: ASYNC110 (another process)
+                    await asyncio.sleep(0.2)
             await run_grpc(stub, args, "warm")  # untimed warm-up of each side
             await run_gateway(client, args)
             runs: dict[str, list[float]] = {"grpc": [], "gateway": []}
@@ -230,7 +264,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "grpc_tokens_per_s": statistics.median(runs["grpc"]),
         "gateway_tokens_per_s": statistics.median(runs["gateway"]),
         "gateway_over_grpc": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-        "identical_completions": statistics.mean(same), "cpus": os.cpu_count(),
+        "identical_completions": statistics.mean(same), "cpus": os.cpu_count(), "client": args.client,
     }  # fmt: skip
 
 
@@ -239,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = asyncio.run(bench(args))
     print(
         f"\n{summary['engine']}: {args.prompts} prompts x n={args.n}, {args.max_tokens} tokens, concurrency "
-        f"{args.concurrency}, {args.repeats} pairs\n"
+        f"{args.concurrency}, {args.repeats} pairs, {args.client} client\n"
         f"  grpc Generate         {summary['grpc_tokens_per_s']:9.1f} tokens/s (median)\n"
         f"  /v1/chat/completions  {summary['gateway_tokens_per_s']:9.1f} tokens/s (median)\n"
         f"  gateway/grpc          {summary['gateway_over_grpc']:.3f} [{summary['ratio_min']:.3f}, "

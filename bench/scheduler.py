@@ -79,6 +79,7 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.orchestrator import Orchestrator
 from services.scheduler.peers.clients import (
     Batch,
+    EnvInfo,
     LearnerInfo,
     PreparedWeights,
     RolloutInfo,
@@ -165,9 +166,12 @@ class StubEnv:
             self.cursor = first + n
         return [types_pb2.Prompt(id=f"{prefix}{i}", text="1+1=") for i in range(first, first + n)]
 
-    async def score(self, prompt: types_pb2.Prompt, completions: Sequence[types_pb2.Completion]) -> Scores:
+    async def describe(self) -> EnvInfo:
+        return EnvInfo("stub")  # single-turn
+
+    async def score(self, prompt: types_pb2.Prompt, transcripts: Sequence[types_pb2.Transcript]) -> Scores:
         await asyncio.sleep(0)
-        return self.scores(len(completions))
+        return self.scores(len(transcripts))
 
     @staticmethod
     @functools.cache
@@ -281,8 +285,11 @@ class EnvServicer(env_pb2_grpc.EnvironmentServiceServicer):
         prompts = await self.env.sample(request.n, split, start)
         return env_pb2.SamplePromptsResponse(prompts=prompts, next_position=self.env.cursor)
 
+    async def DescribeEnvironment(self, request, context):
+        return env_pb2.DescribeEnvironmentResponse(name="stub", max_turns=1)
+
     async def ScoreCompletions(self, request, context):
-        scores = self.env.scores(len(request.completions))
+        scores = self.env.scores(len(request.transcripts) or len(request.completions))
         return env_pb2.ScoreCompletionsResponse(rewards=scores.rewards, reward_infos=scores.reward_infos)
 
 

@@ -64,6 +64,16 @@ class _Call:
     session: Session | None
 
 
+def _context_param(exc: ApiError) -> str | None:
+    """The field a rollout's refusal of a chat prompt it rendered names: the prompt alone is longer
+    than the context ("messages") or max_tokens does not fit after it ("max_tokens"); None otherwise."""
+    if exc.status != 400:
+        return None
+    if "max_model_len" not in exc.message:
+        return None
+    return "max_tokens" if "max_tokens" in exc.message else "messages"
+
+
 class Gateway:
     def __init__(
         self, settings: GatewaySettings, pool: RolloutPool, admission: Admission, recorder: CallRecorder
@@ -135,13 +145,18 @@ class Gateway:
 
     async def _generate(
         self, call: _Call, params: types_pb2.SamplingParams, *, token_ids: list[int] | None = None,
-        text: str = "", route: str, chat: Callable[[list[types_pb2.Completion]], ChatTurn] | None = None,
+        text: str = "", messages: list[types_pb2.ChatMessage] | None = None, tools_json: str = "",
+        route: str, chat: Callable[[list[types_pb2.Completion]], ChatTurn] | None = None,
     ) -> tuple[list[int], list[types_pb2.Completion]]:  # fmt: skip
-        """Generate on the call's rollout; the prompt's ids, the choices; session bookkeeping."""
+        """Generate on the call's rollout (token-in, a text, or chat messages it renders); the prompt's
+        ids, the choices; session bookkeeping."""
         request = rollout_pb2.GenerateRequest(request_id=call.request_id, sampling_params=params)
         request.prompt.id = call.request_id
         if token_ids is not None:
             request.prompt_token_ids.extend(token_ids)
+        elif messages is not None:
+            request.prompt.messages.extend(messages)
+            request.prompt.tools_json = tools_json
         else:
             request.prompt.text = text
         completions = await self._rollout(call.view, call.view.client.generate(request))
@@ -196,10 +211,6 @@ class Gateway:
         session_id = self._session_id(session_header)
         async with self._admitted(session_id) as call:
             canon = tuple(canonical(m) for m in messages)
-            prompt = await self._chat_prompt(call, messages, canon, tools_json)
-            max_len = call.view.max_model_len
-            check.check_context(len(prompt), max_len, "messages")
-            check.fit_max_tokens(params, len(prompt), max_len, self.limits)
 
             def turn(completions: list[types_pb2.Completion]) -> ChatTurn:
                 replies = tuple(
@@ -208,13 +219,49 @@ class Gateway:
                 )
                 return ChatTurn(canon, tools_json, replies)
 
-            prompt, completions = await self._generate(
-                call, params, token_ids=prompt, route="chat", chat=turn
-            )
+            if self._renders_itself(call, messages, canon, tools_json, params):
+                # one call: the rollout renders the messages exactly as RenderMessages would and
+                # checks the context itself (prompt + max_tokens), answering with the prompt's ids
+                check.fit_max_tokens(params, 1, call.view.max_model_len, self.limits)  # a prompt has a token
+                try:
+                    prompt, completions = await self._generate(
+                        call, params, messages=messages, tools_json=tools_json, route="chat", chat=turn
+                    )
+                except ApiError as exc:  # the rendered prompt (+ max_tokens) did not fit
+                    param = _context_param(exc)
+                    if param is None:
+                        raise
+                    raise ApiError(400, exc.message, param, code="context_length_exceeded") from exc
+            else:
+                prompt = await self._chat_prompt(call, messages, canon, tools_json)
+                max_len = call.view.max_model_len
+                check.check_context(len(prompt), max_len, "messages")
+                check.fit_max_tokens(params, len(prompt), max_len, self.limits)
+                prompt, completions = await self._generate(
+                    call, params, token_ids=prompt, route="chat", chat=turn
+                )
         return responses.chat_response(
             call.request_id, model, prompt, completions, logprobs=bool(body.logprobs),
             return_token_ids=bool(body.return_token_ids), parse_tools=parse_tools,
         )  # fmt: skip
+
+    @staticmethod
+    def _renders_itself(
+        call: _Call,
+        messages: list[types_pb2.ChatMessage],
+        canon: tuple[Canonical, ...],
+        tools_json: str,
+        params: Any,
+    ) -> bool:
+        """Whether the rollout can render this chat call's prompt inside Generate: a call that does not
+        continue its session's last chat call (no bridge), whose messages are plain role + content
+        (Generate's prompt carries no tool calls or tool-call ids), with max_tokens given (else the
+        prompt's length, known only once rendered, sets it)."""
+        if not params.max_tokens:
+            return False
+        if any(m.tool_calls or m.tool_call_id or m.name for m in messages):
+            return False
+        return call.session is None or bridge_plan(call.session, canon, tools_json) is None
 
     async def _chat_prompt(
         self,

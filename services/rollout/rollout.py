@@ -249,6 +249,12 @@ class Rollout:
                 else:
                     prompt_ids = await self.tokenize(prompt)
                     prompt_tuple = tuple(prompt_ids)  # once per request, shared by its completions
+                    if len(prompt_ids) + sampling.max_tokens > self._engine.max_model_len:  # as token-in
+                        raise InvalidArgument(
+                            f"prompt {prompt.prompt_id!r} has {len(prompt_ids)} tokens; with "
+                            f"sampling_params.max_tokens {sampling.max_tokens} that is more than "
+                            f"max_model_len {self._engine.max_model_len}"
+                        )
                 async for finished in self._engine.generate(prompt_ids, sampling, request_id):
                     self._tokens_generated += sum(len(c.token_ids) for c in finished)
                     yield Generated(prompt.prompt_id, prompt_tuple, sampling, tuple(finished))

@@ -206,3 +206,26 @@ async def test_tool_calls_round_trip(gw, tokenizer) -> None:
     refused = await client.post("/v1/chat/completions", json=body)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
     assert str(reply.json()["count"]) in refused.json()["error"]["message"]
+
+
+async def test_a_first_chat_call_rendered_by_generate_matches_the_rendered_prompt(gw) -> None:
+    """A chat call that continues nothing is one Generate (the rollout renders it): its prompt is
+    exactly what /tokenize renders; a prompt + max_tokens that does not fit is a 400 naming max_tokens,
+    a prompt longer than the context one naming messages (tests/rollout check that Generate and
+    RenderMessages render alike with tools too)."""
+    _, client = gw
+    messages = [{"role": "system", "content": "Be brief."}, *USER]
+    body = {"messages": messages, "max_tokens": 4, "return_token_ids": True}
+    answer = await client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    reply = answer.json()
+    rendered = await client.post("/tokenize", json={"messages": messages})
+    assert reply["prompt_token_ids"] == rendered.json()["tokens"]
+    long = [{"role": "user", "content": "1+1= " * 40}]
+    count = (await client.post("/tokenize", json={"messages": long})).json()["count"]
+    too_long = {"messages": long, "max_tokens": MAX_MODEL_LEN - count + 1}
+    refused = await client.post("/v1/chat/completions", json=too_long)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    longer = {"messages": [{"role": "user", "content": "1+1= " * 100}], "max_tokens": 4}
+    refused = await client.post("/v1/chat/completions", json=longer)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages", refused.text

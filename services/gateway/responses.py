@@ -91,20 +91,9 @@ def chat_response(
             "finish_reason": finish,
             "weight_versions": weight_versions(completion),
         }
-        if return_token_ids:
-            choice["token_ids"] = list(completion.completion_token_ids)
         choices.append(choice)
-    body: dict[str, Any] = {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage(len(prompt_ids), completions),
-    }
-    if return_token_ids:
-        body["prompt_token_ids"] = list(prompt_ids)
-    return body
+    return _body(f"chatcmpl-{request_id}", "chat.completion", model, prompt_ids, completions, choices,
+                 return_token_ids)  # fmt: skip
 
 
 def completion_response(
@@ -125,12 +114,19 @@ def completion_response(
             "finish_reason": finish_reason(completion),
             "weight_versions": weight_versions(completion),
         }
-        if return_token_ids:
-            choice["token_ids"] = list(completion.completion_token_ids)
         choices.append(choice)
+    return _body(f"cmpl-{request_id}", "text_completion", model, prompt_ids, completions, choices,
+                 return_token_ids)  # fmt: skip
+
+
+def _body(
+    body_id: str, kind: str, model: str, prompt_ids: Sequence[int],
+    completions: Sequence[types_pb2.Completion], choices: list[dict[str, Any]], return_token_ids: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """A chat or text completion's response: its choices, usage and (vLLM's extension) token ids."""
     body: dict[str, Any] = {
-        "id": f"cmpl-{request_id}",
-        "object": "text_completion",
+        "id": body_id,
+        "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": choices,
@@ -138,6 +134,8 @@ def completion_response(
     }
     if return_token_ids:
         body["prompt_token_ids"] = list(prompt_ids)
+        for choice, completion in zip(choices, completions, strict=True):
+            choice["token_ids"] = list(completion.completion_token_ids)
     return body
 
 

@@ -1,4 +1,5 @@
-"""Reading a demo run from the outside, as the end-to-end tests do: its step rows and its audit."""
+"""Reading a demo run from the outside, as the end-to-end tests do: its step rows and its audit, and
+running one while its services are killed (`run_killing`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -52,3 +56,63 @@ def kill_what_is_left(launcher: subprocess.Popen, seen: set[psutil.Process]) -> 
     for process in seen:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def service_process(launcher: psutil.Process, name: str) -> psutil.Process | None:
+    """The launcher's own child running `python -m services.<name>` (found by pid, killed by pid)."""
+    for child in launcher.children():
+        try:
+            if f"services.{name}" in child.cmdline():
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+@dataclass
+class KilledRun:
+    """A demo run that was sent faults: its exit status and output, the kills made (service, step),
+    and every process seen under the launcher."""
+
+    returncode: int
+    output: str
+    killed: list[tuple[str, int]]
+    seen: set[psutil.Process]
+
+
+def run_killing(
+    command: list[str],
+    run_dir: Path,
+    log_path: Path,
+    kills: list[tuple[int, str]],
+    limit_s: float,
+    before_kill: Callable[[str, psutil.Process], None] | None = None,
+) -> KilledRun:
+    """Run `command` (a `grpo-mesh demo`) in a session of its own and SIGKILL each service of `kills`
+    (step, name) once the run has trained that step; `before_kill(name, victim)` sees each victim
+    first. Whatever is left is killed afterwards, passed or failed; the run must end within `limit_s`."""
+    log = log_path.open("w")
+    launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    parent = psutil.Process(launcher.pid)
+    seen: set[psutil.Process] = set()
+    killed: list[tuple[str, int]] = []
+    started = time.monotonic()
+    try:
+        pending = list(kills)
+        while launcher.poll() is None:
+            assert time.monotonic() - started < limit_s, "the run did not finish in time"
+            seen.update(parent.children(recursive=True))
+            if pending and trained_step(run_dir) >= pending[0][0]:
+                name = pending[0][1]
+                victim = service_process(parent, name)
+                if victim is not None:
+                    if before_kill is not None:
+                        before_kill(name, victim)
+                    victim.send_signal(signal.SIGKILL)  # this process only: its children are on their own
+                    killed.append((name, trained_step(run_dir)))
+                    pending.pop(0)
+            time.sleep(0.2)
+    finally:
+        kill_what_is_left(launcher, seen)
+        log.close()
+    return KilledRun(launcher.returncode, log_path.read_text(), killed, seen)

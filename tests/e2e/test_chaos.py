@@ -14,8 +14,6 @@ little from run to run; every phase is exercised by the deterministic tests in t
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,24 +21,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.runs import audit, kill_what_is_left, rows, trained_step
+from tests.e2e.runs import audit, rows, run_killing
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = 24
 KILLS = [(3, "rollout"), (7, "learner"), (12, "scheduler"), (17, "env")]
 RUN_LIMIT_S = 540  # a hard bound: the test can never hang CI
-
-
-def _service(launcher: psutil.Process, name: str) -> psutil.Process | None:
-    """The launcher's own child running `python -m services.<name>` (found by pid, killed by pid)."""
-    for child in launcher.children():
-        try:
-            if f"services.{name}" in child.cmdline():
-                return child
-        except psutil.NoSuchProcess:
-            continue
-    return None
 
 
 def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: Path) -> None:
@@ -50,34 +37,15 @@ def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: 
         "--model", str(warm_model_dir), "--engine", "vllm", "--eval-every", "0", "--groups-per-batch", "8",
         "--checkpoint-every", "4", "--secure",  # restarts under mutual TLS + tokens
     ]  # fmt: skip
-    log = (tmp_path / "launcher.log").open("w")
-    launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    parent = psutil.Process(launcher.pid)
-    seen: set[psutil.Process] = set()
-    killed: list[tuple[str, int]] = []
     engine_children: list[psutil.Process] = []
-    started = time.monotonic()
-    try:
-        pending = list(KILLS)
-        while launcher.poll() is None:
-            assert time.monotonic() - started < RUN_LIMIT_S, "the run did not finish in time"
-            for child in parent.children(recursive=True):
-                seen.add(child)
-            if pending and trained_step(run_dir) >= pending[0][0]:
-                name = pending[0][1]
-                victim = _service(parent, name)
-                if victim is not None:
-                    if name == "rollout":
-                        engine_children = victim.children(recursive=True)
-                    victim.send_signal(signal.SIGKILL)  # this process only: its children are on their own
-                    killed.append((name, trained_step(run_dir)))
-                    pending.pop(0)
-            time.sleep(0.2)
-        output = (tmp_path / "launcher.log").read_text()
-        assert launcher.returncode == 0, output[-4000:]
-    finally:
-        kill_what_is_left(launcher, seen)
-        log.close()
+
+    def note_engine(name: str, victim: psutil.Process) -> None:
+        if name == "rollout":
+            engine_children.extend(victim.children(recursive=True))
+
+    run = run_killing(command, run_dir, tmp_path / "launcher.log", KILLS, RUN_LIMIT_S, note_engine)
+    output, killed, seen = run.output, run.killed, run.seen
+    assert run.returncode == 0, output[-4000:]
 
     assert [name for name, _ in killed] == [name for _, name in KILLS], killed
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import itertools
 import sqlite3
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from grpo.common.v1 import types_pb2
-from tests.e2e.runs import audit, kill_what_is_left, rows, trained_step
-from tests.e2e.test_chaos import _service
+from tests.e2e.runs import audit, rows, run_killing
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -65,28 +61,9 @@ def test_multi_turn_episodes_survive_kill_9_of_the_rollout_and_the_env(
         "--run-dir", str(run_dir), "--model", str(warm_model_dir), "--engine", "vllm", "--eval-every", "0",
         "--max-tokens", "6", "--group-size", str(G), "--groups-per-batch", str(GROUPS),
     ]  # fmt: skip
-    log = (tmp_path / "launcher.log").open("w")
-    launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    parent = psutil.Process(launcher.pid)
-    seen: set[psutil.Process] = set()
-    killed: list[tuple[str, int]] = []
-    started = time.monotonic()
-    try:
-        pending = list(KILLS)
-        while launcher.poll() is None:
-            assert time.monotonic() - started < RUN_LIMIT_S, "the run did not finish in time"
-            seen.update(parent.children(recursive=True))
-            if pending and trained_step(run_dir) >= pending[0][0]:
-                victim = _service(parent, pending[0][1])
-                if victim is not None:
-                    victim.kill()  # SIGKILL, this process only
-                    killed.append((pending.pop(0)[1], trained_step(run_dir)))
-            time.sleep(0.2)
-        output = (tmp_path / "launcher.log").read_text()
-        assert launcher.returncode == 0, output[-4000:]
-    finally:
-        kill_what_is_left(launcher, seen)
-        log.close()
+    run = run_killing(command, run_dir, tmp_path / "launcher.log", KILLS, RUN_LIMIT_S)
+    killed = run.killed
+    assert run.returncode == 0, run.output[-4000:]
 
     assert [name for name, _ in killed] == [name for _, name in KILLS], killed
     steps = [r for r in rows(run_dir) if "reward_mean" in r]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -41,15 +42,20 @@ class ArithmeticOptions(BaseModel):
     @field_validator("operators")
     @classmethod
     def _check_operators(cls, value: str) -> str:
-        if not value:
-            raise ValueError("operators must not be empty")
-        bad = sorted(set(value) - set(_ALLOWED_OPERATORS))
-        if bad:
-            raise ValueError(f"unsupported operator(s) {bad!r}; allowed: {_ALLOWED_OPERATORS!r}")
-        return value
+        return check_operators(value)
 
 
-def _evaluate(operands: list[int], ops: list[str]) -> int:
+def check_operators(value: str) -> str:
+    """An `operators` option: non-empty, only '+', '-' and '*' (a pydantic validator's body)."""
+    if not value:
+        raise ValueError("operators must not be empty")
+    bad = sorted(set(value) - set(_ALLOWED_OPERATORS))
+    if bad:
+        raise ValueError(f"unsupported operator(s) {bad!r}; allowed: {_ALLOWED_OPERATORS!r}")
+    return value
+
+
+def evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
     """Evaluate with the usual precedence (* before + and -), left to right otherwise."""
     terms: list[int] = [operands[0]]
     signs: list[int] = [1]
@@ -70,7 +76,7 @@ def make_problem(rng: random.Random, options: ArithmeticOptions) -> tuple[str, s
     expression = str(operands[0]) + "".join(
         op + str(value) for op, value in zip(ops, operands[1:], strict=True)
     )
-    return expression + "=", str(_evaluate(operands, ops))
+    return expression + "=", str(evaluate(operands, ops))
 
 
 def parse_answer(completion: str) -> str | None:

@@ -44,8 +44,8 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.env.base import Environment, Message, PromptItem, Score, SplitName, final_text
+from services.env.builtins.arithmetic import check_operators, evaluate
 
-_OPERATORS = "+-*"
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 _INTEGER = re.compile(r"-?\d+")
 
@@ -82,12 +82,7 @@ class ToolArithmeticOptions(BaseModel):
     @field_validator("operators")
     @classmethod
     def _check_operators(cls, value: str) -> str:
-        if not value:
-            raise ValueError("operators must not be empty")
-        bad = sorted(set(value) - set(_OPERATORS))
-        if bad:
-            raise ValueError(f"unsupported operator(s) {bad!r}; allowed: {_OPERATORS!r}")
-        return value
+        return check_operators(value)
 
     @field_validator("question")
     @classmethod
@@ -95,18 +90,6 @@ class ToolArithmeticOptions(BaseModel):
         if "{expression}" not in value:
             raise ValueError("question must contain '{expression}'")
         return value
-
-
-def evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
-    """The exact value with the usual precedence (* before + and -), left to right otherwise."""
-    terms, signs = [operands[0]], [1]
-    for op, value in zip(ops, operands[1:], strict=True):
-        if op == "*":
-            terms[-1] *= value
-        else:
-            terms.append(value)
-            signs.append(1 if op == "+" else -1)
-    return sum(sign * term for sign, term in zip(signs, terms, strict=True))
 
 
 def problem_at(options: ToolArithmeticOptions, split: str, index: int) -> tuple[str, int]:

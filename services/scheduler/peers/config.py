@@ -32,7 +32,7 @@ class TimeoutSettings(BaseModel):
         "probed after its next sync.",
     )
     probe_tokens_per_s: float = Field(
-        default=100.0,
+        default=20.0,
         gt=0,
         description="The slowest rate (tokens/s) at which a healthy rollout scores the probe: each of its "
         "tokens adds 1/rate seconds to --timeouts.probe (a multi-turn probe is hundreds of tokens long).",

@@ -473,7 +473,7 @@ def test_services_still_answer_normally(services: dict[str, str]) -> None:
             scheduler_pb2.GetStatusRequest(), timeout=30
         )
         assert len(status.rollouts) <= 16
-    assert len(RPCS) == 24
+    assert len(RPCS) == 26
 
 
 ROLLOUT_RPCS = [(s, m) for s, m in RPCS if s == "rollout"]

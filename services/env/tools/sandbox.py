@@ -62,7 +62,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 BOOT = Path(__file__).with_name("sandbox_boot.py")
-KILL_GRACE_SECONDS = 5.0  # to reap a killed process and drain its pipes
+KILL_GRACE_SECONDS = 15.0  # to reap a killed process and drain its pipes
 
 
 class SandboxLimits(BaseModel):
@@ -181,9 +181,15 @@ async def _supervise(
     finally:
         if process.returncode is None:
             _kill_group(process)
-        async with asyncio.timeout(KILL_GRACE_SECONDS):
-            await process.wait()
-            stdout, stderr = await asyncio.gather(*readers)
+        try:
+            async with asyncio.timeout(KILL_GRACE_SECONDS):
+                await process.wait()
+                stdout, stderr = await asyncio.gather(*readers)
+        except TimeoutError:  # a loaded machine reaps the killed group late: never raise, report it
+            for reader in readers:
+                reader.cancel()
+            stdout, stderr = b"", f"the sandbox was not reaped within {KILL_GRACE_SECONDS:g} s".encode()
+            killed = killed or "wall_timeout"
     if overflow.is_set() and killed is None:
         killed = "output_limit"
     text = [data.decode("utf-8", "replace") for data in (stdout, stderr)]

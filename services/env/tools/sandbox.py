@@ -95,13 +95,16 @@ class SandboxResult:
 
 
 async def _read_bounded(stream: asyncio.StreamReader, limit: int, overflow: asyncio.Event) -> bytes:
+    """The first `limit` bytes of the stream; past them `overflow` is set and the rest is read and
+    dropped until EOF. It must be read: a reader that stopped would leave asyncio's pipe paused, never
+    at EOF, and `process.wait()` waits for the pipes too, so the killed process was never reaped."""
     kept = bytearray()
     while chunk := await stream.read(65536):
         room = limit - len(kept)
-        kept += chunk[: max(room, 0)]
+        if room > 0:
+            kept += chunk[:room]
         if len(chunk) > room:
             overflow.set()
-            break
     return bytes(kept)
 
 

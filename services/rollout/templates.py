@@ -44,6 +44,7 @@ from functools import lru_cache
 from typing import Any
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.tool_calls import render_tool_calls
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -142,12 +143,6 @@ def tools_block(tools: Sequence[dict[str, Any]]) -> str:
     return TOOLS_HEADER + listed + TOOLS_FOOTER
 
 
-def _hermes_call(call: dict[str, Any]) -> str:
-    function = call.get("function", call)
-    body = json.dumps({"name": function["name"], "arguments": function["arguments"]}, ensure_ascii=False)
-    return f"<tool_call>\n{body}\n</tool_call>"
-
-
 def _hermes_messages(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, native_tools: bool, native_role: bool
 ) -> list[dict[str, Any]]:
@@ -164,7 +159,7 @@ def _hermes_messages(
         if message.get("tool_calls") and not native_tools:
             content = message["content"]
             if "<tool_call>" not in content:  # a model's own turn keeps its calls in its text
-                parts = ([content] if content else []) + [_hermes_call(c) for c in message["tool_calls"]]
+                parts = ([content] if content else []) + [render_tool_calls(message["tool_calls"])]
                 content = "\n".join(parts)
             message = {"role": message["role"], "content": content}
         result.append(message)

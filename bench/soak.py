@@ -21,7 +21,7 @@ stall is a fault's. Afterwards each check prints PASS or FAIL:
   all steps done       a step row for every version up to --steps
   versions +1 per step each step row one version past the previous along the surviving lineage (a
                        `learner_rewind` row restarts the count; docs/recovery.md)
-  alignment            `logprob_abs_diff_max` ≤ `--alignment-max` on every step row
+  alignment            `logprob_abs_diff_max` ≤ `--alignment-max` on every measured step row (null: skipped)
   audit                `grpo-mesh audit RUN_DIR` exits 0 with --steps steps
   no process left      every process seen in the run's trees has exited `--grace` s after the launcher
   no /dev/shm left     no /dev/shm segment that was not there before the run and that a process of the

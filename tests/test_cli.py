@@ -108,10 +108,8 @@ def test_serve_without_a_service_lists_them(capsys: pytest.CaptureFixture[str]) 
     assert cli.main(["serve"]) == 2
     assert cli.main(["serve", "trainer"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert (
-        err[-1]
-        == "grpo-mesh serve: error: unknown service 'trainer' (choose from env, rollout, learner, scheduler, gateway)"
-    )
+    choices = "env, rollout, learner, scheduler, gateway"
+    assert err[-1] == f"grpo-mesh serve: error: unknown service 'trainer' (choose from {choices})"
 
 
 def test_an_unknown_command_is_one_line_naming_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,7 +62,12 @@ def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
         "tokens_per_s_median": med("tokens_per_s"),
         "sync_ms_median": med("sync_ms"),
         "weight_transport": steps[-1].get("weight_transport"),
-        "logprob_abs_diff_max": max(r["logprob_abs_diff_max"] for r in steps),
+        # a null is a skipped probe (no rollout answered it), not an agreement
+        "logprob_abs_diff_max": max(
+            (r["logprob_abs_diff_max"] for r in steps if r["logprob_abs_diff_max"] is not None),
+            default=None,
+        ),
+        "alignment_probes_skipped": sum(1 for r in steps if r["logprob_abs_diff_max"] is None),
         "staleness_mean": statistics.fmean(r["staleness_mean"] for r in steps),
         "versions_advance_by_one": versions_advance_by_one(rows),
         "learner_rewinds": sum(1 for r in rows if r.get("event") == "learner_rewind"),

@@ -22,7 +22,7 @@ SERVICES: dict[str, tuple[str, str, str]] = {
     "rollout": ("services.rollout.config", "RolloutSettings", "a rollout worker: vLLM or transformers"),
     "learner": ("services.learner.config", "LearnerSettings", "the Learner service: train steps, weights"),
     "scheduler": ("services.scheduler.config", "SchedulerSettings", "the Scheduler: the one orchestrator"),
-    "gateway": ("services.gateway.config", "GatewaySettings", "the OpenAI-compatible HTTP gateway to rollouts"),
+    "gateway": ("services.gateway.config", "GatewaySettings", "the OpenAI-compatible HTTP gateway"),
 }
 
 

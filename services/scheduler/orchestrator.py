@@ -24,6 +24,7 @@ the policy needs).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from functools import partial
 
@@ -263,7 +264,7 @@ class Orchestrator:
                     raise
                 lost, sync, holding = exc, SyncResult.nothing(result.weight_version), 0
         await self.pool.notify()
-        alignment = self.step_sync.last_alignment
+        alignment = math.nan if lost else self.step_sync.last_alignment  # no sync, no probe
         await self.report.step(planned, result, sync, holding, train_ms, alignment, evaluate=lost is None)
         return lost
 

@@ -74,7 +74,7 @@ async def test_training_run_end_to_end(services, tmp_path: Path) -> None:
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         assert [r["weight_version"] for r in rows] == list(range(1, STEPS + 1))
         for row in rows:
-            assert row["logprob_abs_diff_max"] <= 1e-3
+            assert row["logprob_abs_diff_max"] is not None and row["logprob_abs_diff_max"] <= 1e-3
             assert row["rollouts_synced"] == 1
             trained_at = row["weight_version"] - 1
             assert row["behaviour_versions"], "trained completions must carry version spans"

@@ -105,13 +105,15 @@ def test_a_run_waits_for_frozen_peers_and_trains_past_a_frozen_rollout(
     _, rollout_before, rollout_during = frozen[2]
     assert rollout_during >= rollout_before + 2, f"training waited for the frozen rollout: {frozen}"
 
-    expected = 1
+    expected, measured = 1, 0
     for row in rows(run_dir):
         if "reward_mean" in row:
             assert row["weight_version"] == expected, row
-            assert row["logprob_abs_diff_max"] <= 1e-4, row
+            diff = row["logprob_abs_diff_max"]  # null: no rollout answered that step's probe
+            assert diff is None or diff <= 1e-4, row
+            measured += diff is not None
             expected += 1
-    assert expected == STEPS + 1
+    assert expected == STEPS + 1 and measured > 0
 
     _, counts = audit(run_dir)
     assert counts["steps"] == STEPS and counts["scheduler_starts"] == 1

@@ -70,7 +70,9 @@ def test_multi_turn_episodes_survive_kill_9_of_the_rollout_and_the_env(
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert all(r["episode/prefix_violations"] == 0 for r in steps)
     assert max(r["episode/turns_mean"] for r in steps) > 1.0  # episodes really had several turns
-    assert max(r["logprob_abs_diff_max"] for r in steps) <= 1e-4  # the probe is multi-turn here
+    # the probe is multi-turn here; a sync while the only rollout is down probes nothing (null)
+    measured = [r["logprob_abs_diff_max"] for r in steps if r["logprob_abs_diff_max"] is not None]
+    assert measured and max(measured) <= 1e-4, [r["logprob_abs_diff_max"] for r in steps]
 
     _, counts = audit(run_dir)
     assert counts["steps"] == STEPS and counts["groups_trained"] == STEPS * GROUPS

@@ -33,3 +33,11 @@ def test_a_multi_turn_run_reports_tool_call_rates_and_plots_them(tmp_path: Path)
     assert summary["turns_mean"] == 2.0 and summary["prefix_violations"] == 0
     plot_reward(rows, tmp_path / "reward.png")
     assert (tmp_path / "reward.png").stat().st_size > 0
+
+
+def test_a_skipped_probe_is_counted_not_read_as_agreement() -> None:
+    rows = [_row(1, 0.1), _row(2, 0.2, logprob_abs_diff_max=None), _row(3, 0.3, logprob_abs_diff_max=3e-5)]
+    summary = summarize(rows)
+    assert summary["logprob_abs_diff_max"] == 3e-5 and summary["alignment_probes_skipped"] == 1
+    none = summarize([_row(1, 0.1, logprob_abs_diff_max=None)])
+    assert none["logprob_abs_diff_max"] is None and none["alignment_probes_skipped"] == 1

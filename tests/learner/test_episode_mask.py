@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from grpo.common.v1 import types_pb2
 from services.common.errors import InvalidArgument

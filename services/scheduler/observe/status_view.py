@@ -19,6 +19,7 @@ or the command line is wrong.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import tomllib
@@ -101,6 +102,11 @@ def sync_phases(s: Status) -> str:
     )
 
 
+def alignment(diff: float) -> str:
+    """The last probe's max |Δ logprob|; NaN when no rollout answered it."""
+    return "skipped" if math.isnan(diff) else f"{diff:.2e}"
+
+
 def rollout_style(r: scheduler_pb2.RolloutLoad, learner_version: int) -> str:
     """red: not answering; yellow: serving weights older than the learner's; plain otherwise."""
     return "red" if not r.healthy else "yellow" if r.weight_version < learner_version else ""
@@ -119,7 +125,7 @@ def run_table(s: Status, address: str) -> Table:
         ("reward (last step)", f"{s.reward_mean:.4f}"),
         ("loss (last step)", f"{s.loss:.5f}"),
         ("staleness (mean)", f"{s.staleness_mean:.2f}"),
-        ("alignment |Δ logprob|", f"{s.logprob_abs_diff_max:.2e}"),
+        ("alignment |Δ logprob|", alignment(s.logprob_abs_diff_max)),
         ("last sync", sync_phases(s)),
         ("uptime", duration(s.uptime_seconds)),
     ]

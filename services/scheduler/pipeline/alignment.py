@@ -11,6 +11,7 @@ what a disagreement does: `fail` stops the run (AlignmentError), `warn` logs it.
 
 from __future__ import annotations
 
+import math
 import uuid
 from functools import partial
 
@@ -86,11 +87,14 @@ class AlignmentProbe:
     async def check(
         self, rollouts: list[RolloutHandle], version: int, learner: TokenScores | None = None
     ) -> float:
-        """Max |learner − rollout| logprob on the probe across `rollouts` (all at `version`); the
-        learner scores now unless its `score_learner` answer at `version` is given."""
+        """Max |learner − rollout| logprob on the probe across `rollouts` (all at `version`), NaN when
+        none answered (the step's row then reads null: skipped, not agreed); the learner scores now
+        unless its `score_learner` answer at `version` is given."""
         assert self.sequence is not None, "make() the probe first"
         diff = await self._syncer.probe(self.sequence, rollouts, learner)
-        if diff > self.settings.alignment_threshold:
+        if math.isnan(diff):
+            log.info("alignment probe skipped: no rollout answered", version=version, rollouts=len(rollouts))
+        elif diff > self.settings.alignment_threshold:
             message = (
                 f"logprob misalignment after sync to v{version}: max |Δ| = {diff:.3g} "
                 f"> threshold {self.settings.alignment_threshold:g}"

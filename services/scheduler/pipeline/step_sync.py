@@ -19,6 +19,7 @@ health monitor's rounds (`catch_up`) bring rollouts that (re)joined or fell behi
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable
 
 from services.common.errors import FailedPrecondition, GrpoError
@@ -48,7 +49,7 @@ class StepSync:
     ) -> None:
         self.syncer, self.alignment, self.pool = syncer, alignment, pool
         self.timeline = timeline or Timeline()
-        self.last_alignment = 0.0  # max |Δ logprob| of the latest probe
+        self.last_alignment = math.nan  # max |Δ logprob| of the latest probe (NaN: skipped)
         self.job: asyncio.Task[GrpoError | None] | None = None
 
     async def first_check(self, env: EnvClient, version: int) -> float:

@@ -22,6 +22,7 @@ the version for every member; the retry builds a new group of those still there.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -196,7 +197,8 @@ class WeightSyncer:
         rollouts: list[RolloutHandle],
         learner: TokenScores | None = None,
     ) -> float:
-        """Max |learner − rollout| logprob over the probe tokens, across `rollouts`.
+        """Max |learner − rollout| logprob over the probe tokens, across `rollouts`; NaN when no rollout
+        answered (none held the version, or every one was unreachable): a skipped probe is not a pass.
 
         A rollout that cannot be reached is marked unhealthy and skipped (it is re-synced and probed
         when it comes back); a reachable one that disagrees raises AlignmentError. Without `learner`'s
@@ -215,7 +217,7 @@ class WeightSyncer:
             learner = first
         else:
             answers = await asyncio.gather(*rollout_scores, return_exceptions=True)
-        worst = 0.0
+        worst, checked = 0.0, 0
         for handle, got in zip(rollouts, answers, strict=True):
             if isinstance(got, GrpoError) and got.unreachable:
                 log.warning("probe skipped: rollout unreachable", rollout=handle.name, error=str(got))
@@ -233,6 +235,8 @@ class WeightSyncer:
                 raise AlignmentError(
                     f"{handle.name} scored {len(got.logprobs)} tokens, learner {len(learner.logprobs)}"
                 )
-            diff = max((abs(a - b) for a, b in zip(got.logprobs, learner.logprobs, strict=True)), default=0.0)
-            worst = max(worst, diff)
-        return worst
+            diffs = [abs(a - b) for a, b in zip(got.logprobs, learner.logprobs, strict=True)]
+            # a NaN logprob on either side is the worst disagreement, not one `max` may pass over
+            diff = math.inf if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
+            worst, checked = max(worst, diff), checked + 1
+        return worst if checked else math.nan

@@ -119,6 +119,11 @@ def test_a_rollout_behind_the_learner_and_an_unhealthy_one_stand_out() -> None:
     assert [rollout_style(r, 12) for r in status.rollouts] == ["", "yellow", "red"]
 
 
+def test_a_skipped_probe_reads_skipped() -> None:
+    text = _text(render(_status(logprob_abs_diff_max=float("nan")), "a:1"))
+    assert "skipped" in text and "nan" not in text
+
+
 def test_no_max_steps_and_no_sync_yet() -> None:
     text = _text(render(_status(max_steps=0, last_sync=scheduler_pb2.SyncPhases()), "a:1"))
     assert "12 (until stopped)" in text and "none yet (transport grpc_stream)" in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -87,6 +88,27 @@ async def test_probe_measures_the_worst_difference_and_skips_unreachable_rollout
     dead.alive = False
     assert await syncer.probe(PROBE, pool.handles()) == pytest.approx(3e-4)
     assert [h.address for h in pool.healthy()] == ["near", "far"]
+
+
+async def test_a_probe_no_rollout_answered_is_nan_not_agreement() -> None:
+    dead = FakeRollout("dead")
+    syncer, _, pool = await _setup(dead)
+    dead.alive = False
+    assert math.isnan(await syncer.probe(PROBE, pool.handles()))
+    assert math.isnan(await syncer.probe(PROBE, []))  # no rollout held the version
+
+
+async def test_a_nan_logprob_is_the_worst_disagreement() -> None:
+    rollout = FakeRollout("r")
+    syncer, _, pool = await _setup(rollout)
+
+    async def nan_last(sequence):
+        from services.scheduler.peers.clients import TokenScores
+
+        return TokenScores([-1.0, math.nan], 0)
+
+    rollout.score_tokens = nan_last
+    assert await syncer.probe(PROBE, pool.handles()) == math.inf
 
 
 async def test_probe_refuses_a_version_mismatch_and_a_length_mismatch() -> None:

@@ -56,6 +56,17 @@ def _gone(pid: int, timeout: float = 60.0) -> bool:
     return True
 
 
+def _freeze(pid: int, timeout: float = 60.0) -> None:
+    """SIGSTOP `pid`'s group and wait until `pid` is stopped. A stop takes effect only when the process
+    next runs: on a busy machine a death signal sent before that is dequeued first (the lower signal
+    number) and, while the service has no handler yet, ends it instead of finding it frozen."""
+    os.killpg(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "T":
+        assert time.monotonic() < deadline, f"pid {pid} did not stop"
+        time.sleep(0.01)
+
+
 def _kill_watchdog(pids: dict[str, int | None]) -> None:
     assert pids["watchdog"], "the launcher started no watchdog"
     os.kill(pids["watchdog"], signal.SIGKILL)
@@ -98,7 +109,7 @@ def test_a_service_dies_with_its_launcher_killed_by_sigkill(launcher) -> None:
 
 def test_the_watchdog_stops_a_frozen_service_of_a_killed_launcher(tmp_path: Path, launcher) -> None:
     proc, pids = launcher
-    os.killpg(pids["env"], signal.SIGSTOP)  # hung: the death signal stays pending
+    _freeze(pids["env"])  # hung: the death signal stays pending
     proc.kill()
     assert _gone(pids["env"]), "the frozen env service outlived its launcher"
     assert pids["watchdog"] and _gone(pids["watchdog"])
@@ -107,12 +118,13 @@ def test_the_watchdog_stops_a_frozen_service_of_a_killed_launcher(tmp_path: Path
 
 def test_a_new_launcher_stops_what_a_dead_one_left_running(tmp_path: Path, launcher) -> None:
     proc, pids = launcher
-    os.killpg(pids["env"], signal.SIGSTOP)
+    _freeze(pids["env"])
     _kill_watchdog(pids)
     proc.kill()
     proc.wait()
     time.sleep(1.0)
-    assert liveset.start_time(pids["env"]) is not None, "the frozen env should be left running here"
+    env_started = liveset.start_time(pids["env"])
+    assert env_started and liveset.running(pids["env"], env_started), "the frozen env should be left running"
     said: list[str] = []
     owner = RunOwner.claim(tmp_path / "run", say=said.append)
     try:

@@ -66,3 +66,35 @@ def test_vs_trl_counts_the_cpu_of_every_process_under_the_launcher() -> None:
     cpu.samples = [(10.0, 1.0), (12.0, 2.0), (14.0, 6.0)]
     assert cpu.at(11.0) == 1.5 and cpu.at(13.5) == 5.0
     assert cpu.at(9.0) == 1.0 and cpu.at(20.0) == 6.0  # clamped at the ends
+
+
+def test_the_alignment_bench_splits_a_multi_turn_probe_and_measures_the_merge(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Real services (transformers engine) on the tiny model: both sides fp32 on the same weights agree
+    on every part of the single- and the multi-turn sequence, and a LoRA adapter's merge is measured."""
+    import torch
+    from safetensors.torch import save_file
+
+    from services.learner.config import LoraConfig
+    from services.learner.model import load_policy
+
+    policy = load_policy(str(tiny_model_dir), torch.device("cpu"), LoraConfig(rank=4))
+    torch.manual_seed(0)
+    adapter = {k: v + 0.05 * torch.randn_like(v) for k, v in policy.state_dict().items() if ".lora_" in k}
+    save_file(adapter, tmp_path / "adapter.safetensors")  # as a learner checkpoint holds it
+    out = tmp_path / "alignment.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "alignment.py"), "--model", str(tiny_model_dir),
+         "--engine", "transformers", "--env", "guessing", "--tokens", "6", "--temperatures", "0.7",
+         "--lora-checkpoint", str(tmp_path / "adapter.safetensors"), "--lora-rank", "4", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert set(results) == {"single T=0.7", "multi T=0.7"}
+    multi = results["multi T=0.7"]
+    assert set(multi["parts"]) == set(multi["merge"]) == {"model turn 1", "env turn", "model turn 2"}
+    for row in results.values():
+        assert row["completion_tokens"] > 0 and 0.0 <= row["max"] <= 1e-4, row
+        assert all(0.0 <= v <= 1e-4 for v in row["merge"].values()), row
+        assert row["rollout_self_spread"] == 0.0

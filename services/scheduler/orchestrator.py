@@ -24,7 +24,6 @@ the policy needs).
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from functools import partial
 
@@ -41,7 +40,7 @@ from services.scheduler.observe.timeline import LEARNER, Timeline
 from services.scheduler.peers.clients import EnvClient, LearnerClient, LearnerInfo, StepResult
 from services.scheduler.peers.patience import patiently
 from services.scheduler.peers.rollouts import RolloutPool
-from services.scheduler.pipeline.alignment import AlignmentProbe
+from services.scheduler.pipeline.alignment import Alignment, AlignmentProbe
 from services.scheduler.pipeline.batches import BatchAssembler, PlannedBatch
 from services.scheduler.pipeline.episodes import EpisodeRunner
 from services.scheduler.pipeline.evaluation import Evaluator
@@ -167,7 +166,10 @@ class Orchestrator:
             if lagging:
                 await self.syncer.sync(lagging)
         diff = await self.step_sync.first_check(self.env, self.version)
-        log.info("ready to train", version=self.version, mode=self.advantage_mode, logprob_abs_diff_max=diff)
+        log.info(
+            "ready to train", version=self.version, mode=self.advantage_mode,
+            logprob_abs_diff_max=diff.sampled, logprob_abs_diff_max_env=diff.env,
+        )  # fmt: skip
         return resumed
 
     async def _go_back(self, snapshot: Snapshot, state: LearnerInfo) -> LearnerInfo:
@@ -264,7 +266,7 @@ class Orchestrator:
                     raise
                 lost, sync, holding = exc, SyncResult.nothing(result.weight_version), 0
         await self.pool.notify()
-        alignment = math.nan if lost else self.step_sync.last_alignment  # no sync, no probe
+        alignment = Alignment() if lost else self.step_sync.last_alignment  # no sync, no probe
         await self.report.step(planned, result, sync, holding, train_ms, alignment, evaluate=lost is None)
         return lost
 
@@ -342,7 +344,7 @@ class Orchestrator:
                 for h in self.pool.handles()
             ],
             staleness_mean=self.batches.staleness_mean,
-            logprob_abs_diff_max=self.step_sync.last_alignment,
+            logprob_abs_diff_max=self.step_sync.last_alignment.sampled,
             error=self.error,
             weight_transport=self.settings.weight_transport.value,
             uptime_seconds=time.monotonic() - self._born,

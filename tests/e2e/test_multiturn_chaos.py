@@ -71,8 +71,9 @@ def test_multi_turn_episodes_survive_kill_9_of_the_rollout_and_the_env(
     assert all(r["episode/prefix_violations"] == 0 for r in steps)
     assert max(r["episode/turns_mean"] for r in steps) > 1.0  # episodes really had several turns
     # the probe is multi-turn here; a sync while the only rollout is down probes nothing (null)
-    measured = [r["logprob_abs_diff_max"] for r in steps if r["logprob_abs_diff_max"] is not None]
-    assert measured and max(measured) <= 1e-4, [r["logprob_abs_diff_max"] for r in steps]
+    for key in ("logprob_abs_diff_max", "logprob_abs_diff_max_env"):  # sampled and environment tokens
+        measured = [r[key] for r in steps if r[key] is not None]
+        assert measured and max(measured) <= 1e-4, (key, [r[key] for r in steps])
 
     _, counts = audit(run_dir)
     assert counts["steps"] == STEPS and counts["groups_trained"] == STEPS * GROUPS

@@ -5,7 +5,11 @@ The probe is made once per scheduler start: one seeded completion (at most `alig
 long) of the env's first eval prompt, from the first rollout that answers. For a multi-turn env it is
 an episode in token space, exactly as training builds them: that completion, an environment turn
 appended as tokens (`render_bridge` of a user message) and a second model turn generated token-in, so
-the check covers the long mixed sequences that are trained. `alignment_action` decides
+the check covers the long mixed sequences that are trained. A row's `logprob_abs_diff_max` is the
+max over the tokens a model sampled (the ones training reads); `logprob_abs_diff_max_env` is the max
+over the environment's tokens of a multi-turn probe, context the model never sampled and the loss
+never reads, where the two sides' kernels differ most (tokens the model finds unlikely: measured with
+`bench/alignment.py`). Every token is held to `alignment_threshold`; `alignment_action` decides
 what a disagreement does: `fail` stops the run (AlignmentError), `warn` logs it.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from dataclasses import dataclass
 from functools import partial
 
 from grpo.common.v1 import types_pb2
@@ -27,6 +32,24 @@ from services.scheduler.pipeline.weight_sync import AlignmentError, WeightSyncer
 log = get_logger(__name__)
 
 
+def _max(values: list[float]) -> float:
+    return max(values) if values else math.nan
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """One probe's max |learner − rollout| logprob over the tokens a model sampled (`sampled`: the ones
+    training reads, `logprob_abs_diff_max`) and over the environment's tokens of a multi-turn probe
+    (`env`: context only, masked out of the loss); NaN where there were none or no rollout answered."""
+
+    sampled: float = math.nan
+    env: float = math.nan
+
+    @property
+    def worst(self) -> float:
+        return _max([v for v in (self.sampled, self.env) if not math.isnan(v)])
+
+
 class AlignmentProbe:
     """Makes the probe sequence and judges each sync by it."""
 
@@ -34,6 +57,7 @@ class AlignmentProbe:
         self.settings = settings
         self._syncer = syncer
         self.sequence: types_pb2.TokenSequence | None = None
+        self.env_spans: list[tuple[int, int]] = []  # [start, end) of the environment's completion tokens
         self.multi_turn = False  # set from the env's description before `make`
 
     async def make(self, env: EnvClient, pool: RolloutPool) -> types_pb2.TokenSequence:
@@ -57,7 +81,9 @@ class AlignmentProbe:
             prompt_ids = list(completions[0].prompt_token_ids)
             tokens = list(completions[0].completion_token_ids)
             if self.multi_turn:
-                tokens += await self._second_turn(handle, prompt, sampling, prompt_ids, tokens)
+                bridge, second = await self._second_turn(handle, prompt, sampling, prompt_ids, tokens)
+                self.env_spans = [(len(tokens), len(tokens) + len(bridge))]
+                tokens += bridge + second
             self.sequence = types_pb2.TokenSequence(
                 prompt_token_ids=prompt_ids, completion_token_ids=tokens, temperature=cfg.temperature
             )
@@ -71,13 +97,13 @@ class AlignmentProbe:
         sampling: Sampling,
         prompt_ids: list[int],
         tokens: list[int],
-    ) -> list[int]:
+    ) -> tuple[list[int], list[int]]:
         """An environment turn (as tokens) and a second model turn (token-in) after the first."""
         message = types_pb2.ChatMessage(role="user", content="Go on.")
         bridge = (await handle.client.render_bridge([message], tokens[-8:], prompt.tools_json)).token_ids
         request_id = f"probe-{uuid.uuid4().hex[:8]}"
         second = await handle.client.generate(request_id, prompt, sampling, prompt_ids + tokens + bridge)
-        return bridge + list(second[0].completion_token_ids)
+        return bridge, list(second[0].completion_token_ids)
 
     async def score_learner(self) -> TokenScores:
         """The learner's side of the next check, taken now (while it holds the version to check)."""
@@ -86,20 +112,28 @@ class AlignmentProbe:
 
     async def check(
         self, rollouts: list[RolloutHandle], version: int, learner: TokenScores | None = None
-    ) -> float:
+    ) -> Alignment:
         """Max |learner − rollout| logprob on the probe across `rollouts` (all at `version`), NaN when
         none answered (the step's row then reads null: skipped, not agreed); the learner scores now
-        unless its `score_learner` answer at `version` is given."""
+        unless its `score_learner` answer at `version` is given. Every token is held to the threshold."""
         assert self.sequence is not None, "make() the probe first"
-        diff = await self._syncer.probe(self.sequence, rollouts, learner)
-        if math.isnan(diff):
+        diffs = await self._syncer.probe(self.sequence, rollouts, learner)
+        if diffs is None:
             log.info("alignment probe skipped: no rollout answered", version=version, rollouts=len(rollouts))
-        elif diff > self.settings.alignment_threshold:
+            return Alignment()
+        env = [i for start, end in self.env_spans for i in range(start, end)]
+        outside = set(env)
+        result = Alignment(
+            sampled=_max([d for i, d in enumerate(diffs) if i not in outside]),
+            env=_max([diffs[i] for i in env]),
+        )
+        if result.worst > self.settings.alignment_threshold:
+            env = "" if math.isnan(result.env) else f", {result.env:.3g} on environment tokens"
             message = (
-                f"logprob misalignment after sync to v{version}: max |Δ| = {diff:.3g} "
-                f"> threshold {self.settings.alignment_threshold:g}"
+                f"logprob misalignment after sync to v{version}: max |Δ| = {result.sampled:.3g} on "
+                f"sampled tokens{env} > threshold {self.settings.alignment_threshold:g}"
             )
             if self.settings.alignment_action == "fail":
                 raise AlignmentError(message)
             log.warning(message)
-        return diff
+        return result

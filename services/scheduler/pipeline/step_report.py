@@ -19,6 +19,7 @@ from services.scheduler.observe.metrics import MetricsLog, observe_step, step_re
 from services.scheduler.observe.timeline import EVALUATE, Timeline
 from services.scheduler.observe.tracking import Tracker
 from services.scheduler.peers.clients import StepResult
+from services.scheduler.pipeline.alignment import Alignment
 from services.scheduler.pipeline.batches import PlannedBatch
 from services.scheduler.pipeline.evaluation import Evaluator
 from services.scheduler.pipeline.groups import GroupPipeline
@@ -74,7 +75,7 @@ class StepReport:
         sync: SyncResult,
         rollouts_synced: int,
         train_ms: float,
-        alignment: float,
+        alignment: Alignment,
         evaluate: bool,
     ) -> dict[str, Any]:
         """Write the row of a trained step (evaluating first when `evaluate` and it is an eval step)."""
@@ -82,7 +83,7 @@ class StepReport:
         record = step_record(
             planned.groups, planned.staleness, result, **sync.record(),
             weight_transport=self._settings.weight_transport.value,
-            logprob_abs_diff_max=alignment,
+            logprob_abs_diff_max=alignment.sampled,
             tokens_per_s=self._groups.tokens.take(),
             groups_dropped=self._ledger.counts()["dropped"],
             train_ms=train_ms,
@@ -94,6 +95,7 @@ class StepReport:
         if self._groups.episodes.multi_turn:  # run-wide: dropped groups' violations count too
             record["episode/prefix_violations"] = self._groups.episodes.counts.prefix_violations
             record["episode/failures_total"] = self._groups.episodes.counts.failures
+            record["logprob_abs_diff_max_env"] = alignment.env
         every = self._settings.eval_every
         if evaluate and every and result.step % every == 0:
             try:
@@ -106,7 +108,7 @@ class StepReport:
         observe_step(record, planned.staleness)
         log.info(
             "step", step=result.step, reward=round(record["reward_mean"], 4), loss=round(record["loss"], 5),
-            sync_ms=round(sync.total_ms, 1), diff=alignment,
+            sync_ms=round(sync.total_ms, 1), diff=alignment.sampled,
         )  # fmt: skip
         return record
 

@@ -19,7 +19,6 @@ health monitor's rounds (`catch_up`) bring rollouts that (re)joined or fell behi
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Awaitable, Callable
 
 from services.common.errors import FailedPrecondition, GrpoError
@@ -27,7 +26,7 @@ from services.common.logging import get_logger
 from services.scheduler.observe.timeline import SYNC, Timeline
 from services.scheduler.peers.clients import EnvClient
 from services.scheduler.peers.rollouts import RolloutPool
-from services.scheduler.pipeline.alignment import AlignmentProbe
+from services.scheduler.pipeline.alignment import Alignment, AlignmentProbe
 from services.scheduler.pipeline.weight_sync import SyncResult, WeightSyncer
 
 log = get_logger(__name__)
@@ -49,10 +48,10 @@ class StepSync:
     ) -> None:
         self.syncer, self.alignment, self.pool = syncer, alignment, pool
         self.timeline = timeline or Timeline()
-        self.last_alignment = math.nan  # max |Δ logprob| of the latest probe (NaN: skipped)
+        self.last_alignment = Alignment()  # the latest probe's (NaN: skipped)
         self.job: asyncio.Task[GrpoError | None] | None = None
 
-    async def first_check(self, env: EnvClient, version: int) -> float:
+    async def first_check(self, env: EnvClient, version: int) -> Alignment:
         """Before training: make the probe sequence, then check every healthy rollout against the
         learner at `version`."""
         await self.alignment.make(env, self.pool)

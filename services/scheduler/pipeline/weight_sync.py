@@ -196,9 +196,10 @@ class WeightSyncer:
         sequence: types_pb2.TokenSequence,
         rollouts: list[RolloutHandle],
         learner: TokenScores | None = None,
-    ) -> float:
-        """Max |learner − rollout| logprob over the probe tokens, across `rollouts`; NaN when no rollout
-        answered (none held the version, or every one was unreachable): a skipped probe is not a pass.
+    ) -> list[float] | None:
+        """Per probe token, the largest |learner − rollout| logprob across `rollouts` (inf where either
+        side's logprob is NaN); None when no rollout answered (none held the version, or every one was
+        unreachable): a skipped probe is not a pass.
 
         A rollout that cannot be reached is marked unhealthy and skipped (it is re-synced and probed
         when it comes back); a reachable one that disagrees raises AlignmentError. Without `learner`'s
@@ -217,7 +218,7 @@ class WeightSyncer:
             learner = first
         else:
             answers = await asyncio.gather(*rollout_scores, return_exceptions=True)
-        worst, checked = 0.0, 0
+        worst: list[float] | None = None
         for handle, got in zip(rollouts, answers, strict=True):
             if isinstance(got, GrpoError) and got.unreachable:
                 log.warning("probe skipped: rollout unreachable", rollout=handle.name, error=str(got))
@@ -235,8 +236,8 @@ class WeightSyncer:
                 raise AlignmentError(
                     f"{handle.name} scored {len(got.logprobs)} tokens, learner {len(learner.logprobs)}"
                 )
-            diffs = [abs(a - b) for a, b in zip(got.logprobs, learner.logprobs, strict=True)]
             # a NaN logprob on either side is the worst disagreement, not one `max` may pass over
-            diff = math.inf if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
-            worst, checked = max(worst, diff), checked + 1
-        return worst if checked else math.nan
+            pairs = zip(got.logprobs, learner.logprobs, strict=True)
+            diffs = [math.inf if math.isnan(d := abs(a - b)) else d for a, b in pairs]
+            worst = diffs if worst is None else [max(a, b) for a, b in zip(worst, diffs, strict=True)]
+        return worst

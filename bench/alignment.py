@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,7 @@ import grpc  # noqa: E402
 from grpo.common.v1 import types_pb2  # noqa: E402
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc  # noqa: E402
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+from services.launch.processes import die_with  # noqa: E402
 
 PYTHON = sys.executable
 
@@ -101,6 +103,7 @@ def start(argv: list[str], work: Path, name: str) -> tuple[subprocess.Popen, Pat
         process = subprocess.Popen(
             [PYTHON, "-m", *argv, "--port", "0", "--port-file", str(port_file)], cwd=REPO,
             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with(os.getpid()),  # SIGTERM when the bench dies
         )  # fmt: skip
     return process, port_file
 

@@ -51,6 +51,7 @@ import httpx  # noqa: E402
 
 from grpo.common.v1 import types_pb2  # noqa: E402
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+from services.launch.processes import die_with  # noqa: E402
 from services.rollout.rollout import vllm_available  # noqa: E402
 
 PYTHON = sys.executable
@@ -93,9 +94,10 @@ def resolve_model(args: argparse.Namespace) -> Path:
 
 
 def start(argv: list[str], port_file: Path, log: Path) -> subprocess.Popen:
-    with log.open("w") as handle:
+    with log.open("w") as handle:  # the child gets SIGTERM when the bench dies (die_with)
         return subprocess.Popen([PYTHON, "-m", *argv, "--port-file", str(port_file)], cwd=REPO,
-                                stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                                stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with(os.getpid()))  # fmt: skip
 
 
 async def wait_port(process: subprocess.Popen, port_file: Path, log: Path, timeout: float) -> int:  # noqa: ASYNC109

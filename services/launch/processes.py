@@ -55,7 +55,7 @@ _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
-def _die_with(starter: int) -> Callable[[], None]:
+def die_with(starter: int) -> Callable[[], None]:
     """The child's last step before it runs the service: SIGTERM when `starter` exits (Linux)."""
 
     def preexec() -> None:
@@ -142,7 +142,7 @@ class ServiceProcess:
                 env={**os.environ, **self.env},
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with(os.getpid()) if self.die_with_starter else None,
+                preexec_fn=die_with(os.getpid()) if self.die_with_starter else None,
             )
         self.started_at = start_time(self.process.pid)  # unreaped, the pid cannot be anyone else's yet
         self.starts += 1

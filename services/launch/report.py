@@ -86,6 +86,8 @@ def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, Any]:
         summary["valid_tool_call_rate_last"] = valid(episodes[-window:])
         summary["turns_mean"] = statistics.fmean(r["episode/turns_mean"] for r in episodes)
         summary["prefix_violations"] = max(r.get("episode/prefix_violations", 0) for r in episodes)
+        env = [v for r in episodes if (v := r.get("logprob_abs_diff_max_env")) is not None]
+        summary["logprob_abs_diff_max_env"] = max(env, default=None)  # the probe's environment tokens
     return summary
 
 

@@ -23,7 +23,8 @@ def test_a_single_turn_run_has_no_episode_figures() -> None:
 def test_a_multi_turn_run_reports_tool_call_rates_and_plots_them(tmp_path: Path) -> None:
     rows = [
         _row(i, 0.1 * i, **{"episode/tool_call_rate": i / 10, "episode/turns_mean": 2.0,
-                            "episode/prefix_violations": 0, "episode/valid_tool_call_rate": i / 20})
+                            "episode/prefix_violations": 0, "episode/valid_tool_call_rate": i / 20,
+                            "logprob_abs_diff_max_env": 1e-5 * i if i > 1 else None})
         for i in range(1, 11)
     ]  # fmt: skip
     rows.append({"step": 10, "eval/accuracy": 0.8, "eval/tool_call_rate": 0.9})
@@ -31,6 +32,7 @@ def test_a_multi_turn_run_reports_tool_call_rates_and_plots_them(tmp_path: Path)
     assert summary["tool_call_rate_first"] == 0.3 and summary["tool_call_rate_last"] == 0.8
     assert summary["valid_tool_call_rate_first"] == 0.15 and summary["valid_tool_call_rate_last"] == 0.4
     assert summary["turns_mean"] == 2.0 and summary["prefix_violations"] == 0
+    assert summary["logprob_abs_diff_max_env"] == 1e-4
     plot_reward(rows, tmp_path / "reward.png")
     assert (tmp_path / "reward.png").stat().st_size > 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import grpc
 
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -45,7 +47,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             staleness_mean=s.staleness_mean,
             finished=s.finished,
             max_steps=s.max_steps,
-            logprob_abs_diff_max=s.logprob_abs_diff_max,
+            logprob_abs_diff_max=None if math.isnan(s.logprob_abs_diff_max) else s.logprob_abs_diff_max,
             error=s.error,
             reward_mean=s.reward_mean,
             loss=s.loss,

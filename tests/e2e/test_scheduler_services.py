@@ -105,7 +105,7 @@ async def test_run_status_and_bad_requests(tiny_model_dir: Path, tmp_path: Path)
         assert (status.step, status.learner_version, status.max_steps) == (3, 3, 3)
         assert status.groups_by_state["trained"] == 3 * GROUPS
         assert [r.weight_version for r in status.rollouts] == [3]
-        assert status.logprob_abs_diff_max <= 1e-3
+        assert status.HasField("logprob_abs_diff_max") and status.logprob_abs_diff_max <= 1e-3
 
         rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         assert [r["weight_version"] for r in rows] == [1, 2, 3]

@@ -19,7 +19,6 @@ or the command line is wrong.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import sys
 import tomllib
@@ -102,9 +101,10 @@ def sync_phases(s: Status) -> str:
     )
 
 
-def alignment(diff: float) -> str:
-    """The last probe's max |Δ logprob|; NaN when no rollout answered it."""
-    return "skipped" if math.isnan(diff) else f"{diff:.2e}"
+def alignment(s: Status) -> str:
+    """The last probe's max |Δ logprob| on sampled tokens; unset before the first probe and when no
+    rollout answered the last one."""
+    return f"{s.logprob_abs_diff_max:.2e}" if s.HasField("logprob_abs_diff_max") else "not measured"
 
 
 def rollout_style(r: scheduler_pb2.RolloutLoad, learner_version: int) -> str:
@@ -125,7 +125,7 @@ def run_table(s: Status, address: str) -> Table:
         ("reward (last step)", f"{s.reward_mean:.4f}"),
         ("loss (last step)", f"{s.loss:.5f}"),
         ("staleness (mean)", f"{s.staleness_mean:.2f}"),
-        ("alignment |Δ logprob|", alignment(s.logprob_abs_diff_max)),
+        ("alignment |Δ logprob|", alignment(s)),
         ("last sync", sync_phases(s)),
         ("uptime", duration(s.uptime_seconds)),
     ]

@@ -119,9 +119,10 @@ def test_a_rollout_behind_the_learner_and_an_unhealthy_one_stand_out() -> None:
     assert [rollout_style(r, 12) for r in status.rollouts] == ["", "yellow", "red"]
 
 
-def test_a_skipped_probe_reads_skipped() -> None:
-    text = _text(render(_status(logprob_abs_diff_max=float("nan")), "a:1"))
-    assert "skipped" in text and "nan" not in text
+def test_no_measured_probe_reads_not_measured() -> None:
+    status = _status()
+    status.ClearField("logprob_abs_diff_max")  # none yet, or the last one skipped
+    assert "not measured" in _text(render(status, "a:1"))
 
 
 def test_no_max_steps_and_no_sync_yet() -> None:

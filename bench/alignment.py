@@ -23,6 +23,9 @@ the rollouts): what merging alone changes (`merge`), with the same kernels on bo
     B="flock /tmp/cpu.lock .venv/bin/python bench/alignment.py"
     $B --model smollm2 --env tool_arithmetic
     $B --model smollm2 --lora-checkpoint RUN_DIR/checkpoints/step_00000040/model.safetensors
+
+The services run as the launcher runs them (`ServiceProcess`: they die with the bench, even a killed
+one) with their logs in `--work-dir` (runs/bench-alignment), emptied at each start.
 """
 
 from __future__ import annotations
@@ -30,10 +33,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
+import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,7 @@ import grpc  # noqa: E402
 from grpo.common.v1 import types_pb2  # noqa: E402
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc  # noqa: E402
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc  # noqa: E402
-from services.launch.processes import die_with  # noqa: E402
-
-PYTHON = sys.executable
+from services.launch.processes import ServiceProcess, terminate_all  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="Rollout scores of each sequence.")
     parser.add_argument("--load", type=int, default=0, help="Other generations in flight meanwhile.")
     parser.add_argument("--json", type=Path, default=None, help="Also write the results here.")
+    parser.add_argument(
+        "--work-dir", type=Path, default=REPO / "runs" / "bench-alignment",
+        help="The services' logs and port files, and the merged model of --lora-checkpoint: emptied at "
+        "each start (so a killed bench leaves one directory that the next run replaces), kept after.",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -95,32 +99,6 @@ def first_prompt(spec: str, env_args: list[str]) -> types_pb2.Prompt:
 
     env = load_environment(spec, dict(arg.split("=", 1) for arg in env_args))
     return prompt_to_proto(env.prompt_at("eval", 0), spec, tools_json(env))
-
-
-def start(argv: list[str], work: Path, name: str) -> tuple[subprocess.Popen, Path]:
-    port_file, log = work / f"{name}.port", work / f"{name}.log"
-    with log.open("w") as handle:
-        process = subprocess.Popen(
-            [PYTHON, "-m", *argv, "--port", "0", "--port-file", str(port_file)], cwd=REPO,
-            stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=die_with(os.getpid()),  # SIGTERM when the bench dies
-        )  # fmt: skip
-    return process, port_file
-
-
-def port_of(port_file: Path) -> int | None:
-    text = port_file.read_text().strip() if port_file.exists() else ""
-    return int(text) if text else None
-
-
-async def wait_port(process: subprocess.Popen, port_file: Path, timeout: float = 600) -> int:  # noqa: ASYNC109
-    deadline = time.monotonic() + timeout
-    while (port := await asyncio.to_thread(port_of, port_file)) is None:
-        if process.poll() is not None or time.monotonic() > deadline:
-            log = (await asyncio.to_thread(port_file.with_suffix(".log").read_text))[-3000:]
-            raise SystemExit(f"{process.args[2]} did not start:\n{log}")
-        await asyncio.sleep(0.3)
-    return port
 
 
 async def generate(
@@ -231,67 +209,76 @@ async def keep_busy(rollout: Any, prompt: types_pb2.Prompt, args: argparse.Names
             pass
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    model = model_dir(args.model)
+async def measure(
+    learner: Any,
+    rollout: Any,
+    sequence: tuple[list[int], list[int], list[tuple[str, int, int]]],
+    t: float,
+    args: argparse.Namespace,
+    lora: LoraPair | None,
+) -> dict[str, Any]:
+    """One sequence at temperature `t`: max |Δ| overall, per part, per position window, at its worst
+    token (and what merging the adapter changes, with `lora`)."""
+    prompt_ids, ids, parts = sequence
+    diffs, spread, logprobs = await score(learner, rollout, prompt_ids, ids, t, args.repeats)
+    worst = max(range(len(diffs)), key=diffs.__getitem__)
+    row = {
+        "prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+        "max": max(diffs), "rollout_self_spread": spread,
+        "worst": {"position": len(prompt_ids) + worst, "logprob": logprobs[worst]},
+        "parts": {p: max(diffs[a:b], default=0.0) for p, a, b in parts},
+        "by_position": by_position(diffs, len(prompt_ids), args.window),
+    }  # fmt: skip
+    if lora is not None:
+        merge = await asyncio.to_thread(lora.diffs, prompt_ids, ids, t)
+        row["merge"] = {p: max(merge[a:b], default=0.0) for p, a, b in parts}
+    return row
+
+
+async def main_async(args: argparse.Namespace, model: Path, lora: LoraPair | None) -> dict[str, Any]:
+    work = args.work_dir
     prompt = first_prompt(args.env, args.env_arg)
-    with tempfile.TemporaryDirectory(prefix="grpo-align-") as tmp:
-        work = Path(tmp)
-        lora = None
-        if args.lora_checkpoint:
-            lora = LoraPair(model, args.lora_checkpoint, args.lora_rank, work / "merged")
-            model = work / "merged"
-        rollout_argv = ["--model", str(model), "--dtype", "float32", "--engine", args.engine]
-        learner_argv = ["--model", str(model), "--dtype", "float32"]
-        rollout_proc, rollout_port = start(["services.rollout", *rollout_argv], work, "rollout")
-        learner_proc, learner_port = start(["services.learner", *learner_argv], work, "learner")
-        try:
-            ports = [await wait_port(rollout_proc, rollout_port), await wait_port(learner_proc, learner_port)]
-            async with (
-                grpc.aio.insecure_channel(f"127.0.0.1:{ports[0]}") as rc,
-                grpc.aio.insecure_channel(f"127.0.0.1:{ports[1]}") as lc,
-            ):
-                rollout, learner = (
-                    rollout_pb2_grpc.RolloutServiceStub(rc),
-                    learner_pb2_grpc.LearnerServiceStub(lc),
-                )
-                results: dict[str, Any] = {}
-                made = await sequences(rollout, prompt, args)
-                load = [asyncio.create_task(keep_busy(rollout, prompt, args, i)) for i in range(args.load)]
-                for name, (prompt_ids, ids, parts) in made.items():
-                    for t in args.temperatures:
-                        diffs, spread, logprobs = await score(
-                            learner, rollout, prompt_ids, ids, t, args.repeats
-                        )
-                        worst = max(range(len(diffs)), key=diffs.__getitem__)
-                        row = {
-                            "prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                            "max": max(diffs), "rollout_self_spread": spread,
-                            "worst": {"position": len(prompt_ids) + worst, "logprob": logprobs[worst]},
-                            "parts": {p: max(diffs[a:b], default=0.0) for p, a, b in parts},
-                            "by_position": by_position(diffs, len(prompt_ids), args.window),
-                        }  # fmt: skip
-                        if lora is not None:
-                            merge = await asyncio.to_thread(lora.diffs, prompt_ids, ids, t)
-                            row["merge"] = {p: max(merge[a:b], default=0.0) for p, a, b in parts}
-                        results[f"{name} T={t:g}"] = row
-                        print(f"{name} T={t:g}: {json.dumps(row)}", flush=True)
-                for task in load:
-                    task.cancel()
-                await asyncio.gather(*load, return_exceptions=True)
-                return results
-        finally:
-            for process in (rollout_proc, learner_proc):
-                process.terminate()
-            for process in (rollout_proc, learner_proc):
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+    common = ["--model", str(model), "--dtype", "float32"]
+    services = [  # as the launcher runs them: die with the bench, stopped by pid and process group
+        ServiceProcess("rollout", work, [*common, "--engine", args.engine]),
+        ServiceProcess("learner", work, common),
+    ]
+    try:
+        for service in services:
+            service.start()
+        addresses = [await service.wait_ready(600) for service in services]
+        async with (
+            grpc.aio.insecure_channel(addresses[0]) as rc,
+            grpc.aio.insecure_channel(addresses[1]) as lc,
+        ):
+            rollout = rollout_pb2_grpc.RolloutServiceStub(rc)
+            learner = learner_pb2_grpc.LearnerServiceStub(lc)
+            made = await sequences(rollout, prompt, args)
+            load = [asyncio.create_task(keep_busy(rollout, prompt, args, i)) for i in range(args.load)]
+            results: dict[str, Any] = {}
+            for name, sequence in made.items():
+                for t in args.temperatures:
+                    row = results[f"{name} T={t:g}"] = await measure(
+                        learner, rollout, sequence, t, args, lora
+                    )
+                    print(f"{name} T={t:g}: {json.dumps(row)}", flush=True)
+            for task in load:
+                task.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+            return results
+    finally:
+        await asyncio.to_thread(terminate_all, services)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = asyncio.run(main_async(args))
+    shutil.rmtree(args.work_dir, ignore_errors=True)
+    args.work_dir.mkdir(parents=True)
+    model, lora = model_dir(args.model), None
+    if args.lora_checkpoint:
+        lora = LoraPair(model, args.lora_checkpoint, args.lora_rank, args.work_dir / "merged")
+        model = args.work_dir / "merged"
+    results = asyncio.run(main_async(args, model, lora))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -87,7 +87,8 @@ def test_the_alignment_bench_splits_a_multi_turn_probe_and_measures_the_merge(
     subprocess.run(
         [sys.executable, str(ROOT / "bench" / "alignment.py"), "--model", str(tiny_model_dir),
          "--engine", "transformers", "--env", "guessing", "--tokens", "6", "--temperatures", "0.7",
-         "--lora-checkpoint", str(tmp_path / "adapter.safetensors"), "--lora-rank", "4", "--json", str(out)],
+         "--lora-checkpoint", str(tmp_path / "adapter.safetensors"), "--lora-rank", "4", "--json", str(out),
+         "--work-dir", str(tmp_path / "work")],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
     )  # fmt: skip
     results = json.loads(out.read_text())

@@ -8,8 +8,8 @@ appended as tokens (`render_bridge` of a user message) and a second model turn g
 the check covers the long mixed sequences that are trained. A row's `logprob_abs_diff_max` is the
 max over the tokens a model sampled (the ones training reads); `logprob_abs_diff_max_env` is the max
 over the environment's tokens of a multi-turn probe, context the model never sampled and the loss
-never reads, where the two sides' kernels differ most (tokens the model finds unlikely: measured with
-`bench/alignment.py`). Every token is held to `alignment_threshold`; `alignment_action` decides
+never reads (`bench/alignment.py` measures both parts apart). Every token is held to
+`alignment_threshold`; `alignment_action` decides
 what a disagreement does: `fail` stops the run (AlignmentError), `warn` logs it.
 """
 
@@ -121,17 +121,16 @@ class AlignmentProbe:
         if diffs is None:
             log.info("alignment probe skipped: no rollout answered", version=version, rollouts=len(rollouts))
             return Alignment()
-        env = [i for start, end in self.env_spans for i in range(start, end)]
-        outside = set(env)
+        from_env = {i for start, end in self.env_spans for i in range(start, end)}
         result = Alignment(
-            sampled=_max([d for i, d in enumerate(diffs) if i not in outside]),
-            env=_max([diffs[i] for i in env]),
+            sampled=_max([d for i, d in enumerate(diffs) if i not in from_env]),
+            env=_max([d for i, d in enumerate(diffs) if i in from_env]),
         )
         if result.worst > self.settings.alignment_threshold:
-            env = "" if math.isnan(result.env) else f", {result.env:.3g} on environment tokens"
+            on_env = "" if math.isnan(result.env) else f", {result.env:.3g} on environment tokens"
             message = (
                 f"logprob misalignment after sync to v{version}: max |Δ| = {result.sampled:.3g} on "
-                f"sampled tokens{env} > threshold {self.settings.alignment_threshold:g}"
+                f"sampled tokens{on_env} > threshold {self.settings.alignment_threshold:g}"
             )
             if self.settings.alignment_action == "fail":
                 raise AlignmentError(message)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.advantages import AdvantageMode
@@ -62,7 +62,16 @@ class SchedulerSettings(ServiceSettings):
     config_table = "scheduler"
     model_config = SettingsConfigDict(env_prefix="GRPO_SCHEDULER__")
 
-    env_address: str = Field(default="127.0.0.1:50051", description="Environment service host:port.")
+    source: Literal["env", "external"] = Field(
+        default="env",
+        description="Where train groups come from: env = prompts drawn from the env service, generated "
+        "and scored by the scheduler; external = SubmitGroups, from a harness (an atropos env, a "
+        "verifiers runner) that generates through the gateway and scores itself (no env service; "
+        "docs/ecosystem.md).",
+    )
+    env_address: str = Field(
+        default="127.0.0.1:50051", description="Environment service host:port (source = env)."
+    )
     learner_address: str = Field(default="127.0.0.1:50053", description="Learner service host:port.")
     rollout_addresses: list[str] = Field(
         default_factory=lambda: ["127.0.0.1:50052"],
@@ -144,6 +153,14 @@ class SchedulerSettings(ServiceSettings):
         "services/scheduler/observe/timeline.py.",
     )
     sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="Training sampling.")
+
+    @model_validator(mode="after")
+    def _external_has_no_env(self) -> SchedulerSettings:
+        if self.source == "external" and self.eval_every:
+            raise ValueError("eval_every needs the env service: set it to 0 with source = external "
+                             "(the harness evaluates itself)")  # fmt: skip
+        return self
+
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings, description="Client-call deadlines.")
     generate_batch: GenerateBatchSettings = Field(
         default_factory=GenerateBatchSettings, description="Groups sent to a rollout together in one call."

@@ -45,6 +45,7 @@ from services.scheduler.pipeline.batches import BatchAssembler, PlannedBatch
 from services.scheduler.pipeline.episodes import EpisodeRunner
 from services.scheduler.pipeline.evaluation import Evaluator
 from services.scheduler.pipeline.groups import GroupPipeline
+from services.scheduler.pipeline.intake import ExternalIntake
 from services.scheduler.pipeline.policy import build_train_batch
 from services.scheduler.pipeline.step_report import StepReport
 from services.scheduler.pipeline.step_sync import StepSync
@@ -55,7 +56,7 @@ log = get_logger(__name__)
 
 class Orchestrator:
     def __init__(
-        self, settings: SchedulerSettings, env: EnvClient, learner: LearnerClient, pool: RolloutPool
+        self, settings: SchedulerSettings, env: EnvClient | None, learner: LearnerClient, pool: RolloutPool
     ) -> None:
         self.settings = settings
         self.env, self.learner, self.pool = env, learner, pool
@@ -72,6 +73,11 @@ class Orchestrator:
             lambda: self.lineage.generation, self.timeline, self.episodes,
         )  # fmt: skip
         self.batches = BatchAssembler(settings, self.groups, self.lineage, self.store, pool)
+        # source = external: groups come from SubmitGroups (no env service; `env` is None)
+        self.intake = ExternalIntake(
+            settings, self.groups, self.ledger, self.store, pool, lambda: self.version,
+            lambda: self.lineage.generation,
+        )  # fmt: skip
         self.evaluator = Evaluator(settings, env, pool, self.episodes)
         self.report = StepReport(settings, self.groups, self.ledger, self.evaluator, self.timeline)
         self.version = 0
@@ -98,9 +104,12 @@ class Orchestrator:
             if self.settings.eval_every and not resumed:
                 await self.report.evaluate_only(self.step, self.version)
             await self.report.track(self.run_id)
+            if self.env is not None:  # source = external: the intake takes SubmitGroups instead
+                background += [
+                    asyncio.create_task(self.groups.feed(), name="feeder"),
+                    asyncio.create_task(self.groups.dispatch(), name="dispatcher"),
+                ]
             background += [
-                asyncio.create_task(self.groups.feed(), name="feeder"),
-                asyncio.create_task(self.groups.dispatch(), name="dispatcher"),
                 asyncio.create_task(self._flush_ledger(), name="ledger"),
                 asyncio.create_task(self.pool.pause_watch.run(), name="pause-watch"),
             ]
@@ -120,6 +129,7 @@ class Orchestrator:
             log.exception("run failed", error=self.error)
             raise
         finally:
+            self.intake.close()
             in_flight = [*self.groups.tasks, *([self.step_sync.job] if self.step_sync.job else [])]
             for task in [*background, *in_flight]:
                 task.cancel()
@@ -134,10 +144,11 @@ class Orchestrator:
         Whether the run resumed."""
         # a peer may still be (re)starting: a restarted scheduler must not fail on a learner loading
         state = await patiently(self.settings.recovery, "learner", self.learner.state)
-        self.episodes.info = info = await patiently(self.settings.recovery, "env", self.env.describe)
-        if info.max_turns > 1:
-            log.info("multi-turn environment", env=info.name, max_turns=info.max_turns)
-            self.alignment.multi_turn = True
+        if self.env is not None:
+            self.episodes.info = info = await patiently(self.settings.recovery, "env", self.env.describe)
+            if info.max_turns > 1:
+                log.info("multi-turn environment", env=info.name, max_turns=info.max_turns)
+                self.alignment.multi_turn = True
         discarded = 0
         if not snapshot.empty and learner_ahead(snapshot, state):
             self.lineage.check(snapshot, state)  # another run's ledger: refused before anything goes back
@@ -165,7 +176,11 @@ class Orchestrator:
             lagging = self.pool.behind(self.version)
             if lagging:
                 await self.syncer.sync(lagging)
-        diff = await self.step_sync.first_check(self.env, self.version)
+        if self.env is None:  # the probe is the first external group's first sequence
+            self.intake.open()
+            diff = await self.step_sync.first_check_external(self.intake, self.version)
+        else:
+            diff = await self.step_sync.first_check(self.env, self.version)
         log.info(
             "ready to train", version=self.version, mode=self.advantage_mode,
             logprob_abs_diff_max=diff.sampled, logprob_abs_diff_max_env=diff.env,
@@ -195,6 +210,8 @@ class Orchestrator:
         await self._apply(plan, state)
         stored = await self.store.load_scored(plan.requeue)
         self.batches.requeue(stored[gid] for gid in plan.requeue if gid in stored)
+        if stored:
+            self.intake.note_first(next(iter(stored.values())))
         prompts = await self.store.load_prompts(plan.reissue)
         self.groups.resume_at(plan.next_position, [(p, prompts[p]) for p in plan.reissue if p in prompts])
         log.info(
@@ -347,6 +364,10 @@ class Orchestrator:
             logprob_abs_diff_max=self.step_sync.last_alignment.sampled,
             error=self.error,
             weight_transport=self.settings.weight_transport.value,
+            source=self.settings.source,
+            queue_capacity=self.intake.capacity,
+            group_size=self.settings.group_size,
+            groups_per_batch=self.settings.groups_per_batch,
             uptime_seconds=time.monotonic() - self._born,
             **self.report.status_fields(),
         )

@@ -36,7 +36,8 @@ class SchedulerApp:
     def __init__(self, settings: SchedulerSettings) -> None:
         self.settings = settings
         timeouts = settings.timeouts
-        self.env = GrpcEnvClient(settings.env_address, timeouts)
+        # source = external: no env service (groups come from SubmitGroups)
+        self.env = GrpcEnvClient(settings.env_address, timeouts) if settings.source == "env" else None
         self.learner = GrpcLearnerClient(settings.learner_address, timeouts)
         self.pool = RolloutPool(
             partial(GrpcRolloutClient, timeouts=timeouts, generate_batch=settings.generate_batch),
@@ -56,7 +57,7 @@ class SchedulerApp:
 
     async def start(self) -> None:
         connect = self.settings.timeouts.connect
-        peers = [self.env, self.learner, *(h.client for h in self.pool.handles())]
+        peers = [*([self.env] if self.env else []), self.learner, *(h.client for h in self.pool.handles())]
         await asyncio.gather(*(peer.wait_ready(connect) for peer in peers))
         if self.settings.autostart:
             self.run_task = asyncio.create_task(self._run(), name="orchestrator")
@@ -73,7 +74,8 @@ class SchedulerApp:
         if self.run_task is not None:
             self.run_task.cancel()
             await asyncio.gather(self.run_task, return_exceptions=True)
-        await asyncio.gather(self.pool.close(), self.env.close(), self.learner.close())
+        env = [self.env.close()] if self.env else []
+        await asyncio.gather(self.pool.close(), self.learner.close(), *env)
 
     def metrics_snapshot(self) -> list[Reading]:
         """Prometheus view (telemetry.py), from the same status GetStatus reports."""

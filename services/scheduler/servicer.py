@@ -8,8 +8,15 @@ import grpc
 
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import validation as check
-from services.common.errors import InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.scheduler.orchestrator import Orchestrator
+from services.scheduler.pipeline.intake import ACCEPTED, DUPLICATE, STALE
+
+_VERDICTS = {
+    ACCEPTED: scheduler_pb2.GROUP_VERDICT_ACCEPTED,
+    DUPLICATE: scheduler_pb2.GROUP_VERDICT_DUPLICATE,
+    STALE: scheduler_pb2.GROUP_VERDICT_STALE,
+}
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -58,6 +65,27 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             ),
             weight_transport=s.weight_transport,
             uptime_seconds=s.uptime_seconds,
+            source=s.source,
+            queue_capacity=s.queue_capacity,
+            group_size=s.group_size,
+            groups_per_batch=s.groups_per_batch,
+        )
+
+    async def SubmitGroups(self, request, context: grpc.aio.ServicerContext):
+        orchestrator = self._orchestrator
+        if orchestrator.settings.source != "external":
+            raise FailedPrecondition(
+                "this scheduler trains its env service's prompts (source = env); start it with "
+                "--source external to take SubmitGroups"
+            )
+        verdicts = await orchestrator.intake.submit(list(request.groups), request.source or "external")
+        return scheduler_pb2.SubmitGroupsResponse(
+            verdicts=[_VERDICTS[v.kind] for v in verdicts],
+            reasons=[v.reason for v in verdicts],
+            step=orchestrator.step,
+            learner_version=orchestrator.version,
+            waiting=orchestrator.intake.waiting,
+            capacity=orchestrator.intake.capacity,
         )
 
     async def Pause(self, request, context: grpc.aio.ServicerContext):

@@ -1,3 +1,4 @@
+from grpo.common.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -13,10 +14,21 @@ class WorkerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_KIND_ROLLOUT: _ClassVar[WorkerKind]
     WORKER_KIND_LEARNER: _ClassVar[WorkerKind]
     WORKER_KIND_ENVIRONMENT: _ClassVar[WorkerKind]
+
+class GroupVerdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_VERDICT_UNSPECIFIED: _ClassVar[GroupVerdict]
+    GROUP_VERDICT_ACCEPTED: _ClassVar[GroupVerdict]
+    GROUP_VERDICT_DUPLICATE: _ClassVar[GroupVerdict]
+    GROUP_VERDICT_STALE: _ClassVar[GroupVerdict]
 WORKER_KIND_UNSPECIFIED: WorkerKind
 WORKER_KIND_ROLLOUT: WorkerKind
 WORKER_KIND_LEARNER: WorkerKind
 WORKER_KIND_ENVIRONMENT: WorkerKind
+GROUP_VERDICT_UNSPECIFIED: GroupVerdict
+GROUP_VERDICT_ACCEPTED: GroupVerdict
+GROUP_VERDICT_DUPLICATE: GroupVerdict
+GROUP_VERDICT_STALE: GroupVerdict
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("kind", "address")
@@ -31,6 +43,30 @@ class RegisterWorkerResponse(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class SubmitGroupsRequest(_message.Message):
+    __slots__ = ("groups", "source")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[_types_pb2.ScoredGroup]
+    source: str
+    def __init__(self, groups: _Optional[_Iterable[_Union[_types_pb2.ScoredGroup, _Mapping]]] = ..., source: _Optional[str] = ...) -> None: ...
+
+class SubmitGroupsResponse(_message.Message):
+    __slots__ = ("verdicts", "reasons", "step", "learner_version", "waiting", "capacity")
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    verdicts: _containers.RepeatedScalarFieldContainer[GroupVerdict]
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    step: int
+    learner_version: int
+    waiting: int
+    capacity: int
+    def __init__(self, verdicts: _Optional[_Iterable[_Union[GroupVerdict, str]]] = ..., reasons: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., learner_version: _Optional[int] = ..., waiting: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -53,7 +89,7 @@ class RolloutLoad(_message.Message):
     def __init__(self, rollout_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("learner_version", "step", "paused", "groups_by_state", "queue_depths", "rollouts", "staleness_mean", "finished", "max_steps", "logprob_abs_diff_max", "error", "reward_mean", "loss", "steps_per_second", "tokens_per_second", "last_sync", "weight_transport", "uptime_seconds")
+    __slots__ = ("learner_version", "step", "paused", "groups_by_state", "queue_depths", "rollouts", "staleness_mean", "finished", "max_steps", "logprob_abs_diff_max", "error", "reward_mean", "loss", "steps_per_second", "tokens_per_second", "last_sync", "weight_transport", "uptime_seconds", "source", "queue_capacity", "group_size", "groups_per_batch")
     class GroupsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +122,10 @@ class GetStatusResponse(_message.Message):
     LAST_SYNC_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     learner_version: int
     step: int
     paused: bool
@@ -104,7 +144,11 @@ class GetStatusResponse(_message.Message):
     last_sync: SyncPhases
     weight_transport: str
     uptime_seconds: float
-    def __init__(self, learner_version: _Optional[int] = ..., step: _Optional[int] = ..., paused: _Optional[bool] = ..., groups_by_state: _Optional[_Mapping[str, int]] = ..., queue_depths: _Optional[_Mapping[str, int]] = ..., rollouts: _Optional[_Iterable[_Union[RolloutLoad, _Mapping]]] = ..., staleness_mean: _Optional[float] = ..., finished: _Optional[bool] = ..., max_steps: _Optional[int] = ..., logprob_abs_diff_max: _Optional[float] = ..., error: _Optional[str] = ..., reward_mean: _Optional[float] = ..., loss: _Optional[float] = ..., steps_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., last_sync: _Optional[_Union[SyncPhases, _Mapping]] = ..., weight_transport: _Optional[str] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    source: str
+    queue_capacity: int
+    group_size: int
+    groups_per_batch: int
+    def __init__(self, learner_version: _Optional[int] = ..., step: _Optional[int] = ..., paused: _Optional[bool] = ..., groups_by_state: _Optional[_Mapping[str, int]] = ..., queue_depths: _Optional[_Mapping[str, int]] = ..., rollouts: _Optional[_Iterable[_Union[RolloutLoad, _Mapping]]] = ..., staleness_mean: _Optional[float] = ..., finished: _Optional[bool] = ..., max_steps: _Optional[int] = ..., logprob_abs_diff_max: _Optional[float] = ..., error: _Optional[str] = ..., reward_mean: _Optional[float] = ..., loss: _Optional[float] = ..., steps_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., last_sync: _Optional[_Union[SyncPhases, _Mapping]] = ..., weight_transport: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., source: _Optional[str] = ..., queue_capacity: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_batch: _Optional[int] = ...) -> None: ...
 
 class SyncPhases(_message.Message):
     __slots__ = ("prepare_ms", "stage_ms", "commit_ms", "total_ms")

@@ -54,6 +54,11 @@ class SchedulerServiceStub:
                 request_serializer=grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.SubmitGroups = channel.unary_unary(
+                '/grpo.scheduler.v1.SchedulerService/SubmitGroups',
+                request_serializer=grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitGroupsRequest.SerializeToString,
+                response_deserializer=grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitGroupsResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -86,6 +91,18 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitGroups(self, request, context):
+        """Groups an external harness (an atropos env, a verifiers runner) generated through the gateway and
+        scored, for a scheduler whose `source` is "external". Their tokens, behaviour logprobs and weight
+        versions are the gateway's record of what it generated, never the harness's own. Answered once
+        the accepted groups are durable in the ledger. RESOURCE_EXHAUSTED (nothing taken) while the
+        trainer's queue lacks room for all of them: retry later; FAILED_PRECONDITION for a scheduler
+        that trains its own env's prompts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +125,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.ResumeRequest.FromString,
                     response_serializer=grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.ResumeResponse.SerializeToString,
+            ),
+            'SubmitGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitGroups,
+                    request_deserializer=grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitGroupsRequest.FromString,
+                    response_serializer=grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitGroupsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +240,33 @@ class SchedulerService:
             '/grpo.scheduler.v1.SchedulerService/Resume',
             grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.ResumeRequest.SerializeToString,
             grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo.scheduler.v1.SchedulerService/SubmitGroups',
+            grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitGroupsRequest.SerializeToString,
+            grpo_dot_scheduler_dot_v1_dot_scheduler__pb2.SubmitGroupsResponse.FromString,
             options,
             channel_credentials,
             insecure,

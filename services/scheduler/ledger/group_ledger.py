@@ -123,6 +123,11 @@ class GroupLedger:
                 self._attempts.get(record.prompt_id, 0), record.attempt + 1
             )
 
+    def latest(self, prompt_id: str) -> GroupRecord | None:
+        """The newest group issued for `prompt_id`, if any (restored records included)."""
+        attempts = self._attempts.get(prompt_id, 0)
+        return self._groups.get(f"{prompt_id}#{attempts - 1}") if attempts else None
+
     def get(self, group_id: str) -> GroupRecord:
         try:
             return self._groups[group_id]

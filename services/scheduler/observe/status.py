@@ -37,3 +37,7 @@ class SchedulerStatus:
     sync_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # prepare, stage, commit, total
     weight_transport: str = ""
     uptime_seconds: float = 0.0
+    source: str = "env"
+    queue_capacity: int = 0
+    group_size: int = 0
+    groups_per_batch: int = 0

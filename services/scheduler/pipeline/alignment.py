@@ -24,12 +24,16 @@ from grpo.common.v1 import types_pb2
 from services.common.errors import GrpoError
 from services.common.logging import get_logger
 from services.scheduler.config import SchedulerSettings
-from services.scheduler.peers.clients import EnvClient, Sampling, TokenScores
+from services.scheduler.peers.clients import EnvClient, Sampling, ScoredGroup, TokenScores
 from services.scheduler.peers.patience import patiently
 from services.scheduler.peers.rollouts import RolloutHandle, RolloutPool
 from services.scheduler.pipeline.weight_sync import AlignmentError, WeightSyncer
 
 log = get_logger(__name__)
+
+
+# Completion tokens of an external group's sequence the probe keeps (a multi-turn episode's first turns).
+EXTERNAL_PROBE_TOKENS = 256
 
 
 def _max(values: list[float]) -> float:
@@ -89,6 +93,24 @@ class AlignmentProbe:
             )
             return self.sequence
         raise RuntimeError("no rollout answered the probe generation")
+
+    def make_from(self, group: ScoredGroup) -> types_pb2.TokenSequence:
+        """The probe for source = external: the first sequence of a submitted group (its prompt and at
+        most `EXTERNAL_PROBE_TOKENS` of its completion, environment turns marked), at its temperature."""
+        first = group.completions[0]
+        prompt_ids = list(first.prompt_token_ids or group.prompt_token_ids)
+        tokens = list(first.completion_token_ids)[:EXTERNAL_PROBE_TOKENS]
+        sampling = first.sampling_params if first.HasField("sampling_params") else group.sampling_params
+        temperature = sampling.temperature if sampling is not None and sampling.temperature > 0 else 1.0
+        self.env_spans = [
+            (t.start, min(t.end, len(tokens)))
+            for t in first.turns
+            if t.source == types_pb2.TURN_SOURCE_ENV and t.start < len(tokens)
+        ]
+        self.sequence = types_pb2.TokenSequence(
+            prompt_token_ids=prompt_ids, completion_token_ids=tokens, temperature=temperature
+        )
+        return self.sequence
 
     async def _second_turn(
         self,

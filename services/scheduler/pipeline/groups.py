@@ -273,6 +273,8 @@ class GroupPipeline:
         record = self.ledger.get(group_id)
         if record.state in (GroupState.TRAINED, GroupState.DROPPED, GroupState.FILTERED):
             return
+        if self.settings.source == "external":  # its harness owns its task: nothing to issue again
+            reissue = None
         self.ledger.advance(group_id, GroupState.DROPPED, reason, reissue=reissue is not None)
         if reissue is not None:
             self.reissue.append((record.position, reissue))

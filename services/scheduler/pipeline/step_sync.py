@@ -27,6 +27,7 @@ from services.scheduler.observe.timeline import SYNC, Timeline
 from services.scheduler.peers.clients import EnvClient
 from services.scheduler.peers.rollouts import RolloutPool
 from services.scheduler.pipeline.alignment import Alignment, AlignmentProbe
+from services.scheduler.pipeline.intake import ExternalIntake
 from services.scheduler.pipeline.weight_sync import SyncResult, WeightSyncer
 
 log = get_logger(__name__)
@@ -55,6 +56,17 @@ class StepSync:
         """Before training: make the probe sequence, then check every healthy rollout against the
         learner at `version`."""
         await self.alignment.make(env, self.pool)
+        self.last_alignment = await self.alignment.check(self.pool.healthy(), version)
+        return self.last_alignment
+
+    async def first_check_external(self, intake: ExternalIntake, version: int) -> Alignment:
+        """`first_check` for source = external: the probe is the first submitted group's first
+        sequence (waited for: the run trains nothing before it)."""
+        if intake.first_group is None:
+            log.info("waiting for the first external group (the alignment probe is made from it)")
+        await intake.first.wait()
+        assert intake.first_group is not None
+        self.alignment.make_from(intake.first_group)
         self.last_alignment = await self.alignment.check(self.pool.healthy(), version)
         return self.last_alignment
 

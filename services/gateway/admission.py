@@ -14,6 +14,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
+from grpo.common.v1 import types_pb2
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.clients import GrpcClient
 from services.common.errors import GrpoError
@@ -82,9 +83,19 @@ class SchedulerClient(GrpcClient[scheduler_pb2_grpc.SchedulerServiceStub]):
         super().__init__(address, scheduler_pb2_grpc.SchedulerServiceStub)
         self.deadline_s = deadline_s
 
+    async def status(self) -> scheduler_pb2.GetStatusResponse:
+        return await self.unary("GetStatus", scheduler_pb2.GetStatusRequest(), self.deadline_s)
+
     async def view(self) -> RunView:
-        s = await self.unary("GetStatus", scheduler_pb2.GetStatusRequest(), self.deadline_s)
+        s = await self.status()
         return RunView(s.learner_version, tuple(r.weight_version for r in s.rollouts), s.paused, s.finished)
+
+    async def submit(
+        self, groups: list[types_pb2.ScoredGroup], source: str, deadline_s: float
+    ) -> scheduler_pb2.SubmitGroupsResponse:
+        """SubmitGroups (the trajectory API's matched groups); answered once they are durable."""
+        request = scheduler_pb2.SubmitGroupsRequest(groups=groups, source=source)
+        return await self.unary("SubmitGroups", request, deadline_s)
 
 
 class StalenessAdmission:

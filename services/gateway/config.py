@@ -6,6 +6,8 @@
     [gateway.sessions]   sticky sessions (--sessions.max-sessions 10000)       → sessions.py
     [gateway.timeouts]   deadlines of the gRPC calls to rollouts (--timeouts.generate-s 600)
     [gateway.record]     the JSONL call record (--record.path calls.jsonl)      → recorder.py
+    [gateway.registry]   every generation served, for matching submitted sequences
+                         (--registry.max-generations 100000)                   → registry.py
 
 `--security.*` is the block every grpo-mesh service shares (services/common/security.py): the same
 certificate serves HTTPS here, the same bearer token guards every route but /health, and the same
@@ -103,6 +105,42 @@ class RecordConfig(_Section):
     )
 
 
+class RegistrySettings(_Section):
+    """The generation registry (registry.py): what a sequence submitted for training is matched against."""
+
+    max_generations: int = Field(
+        default=100_000,
+        ge=1,
+        description="Generations remembered (one per choice); the least recently used goes first.",
+    )
+    ttl_s: float = Field(
+        default=3600.0, gt=0, description="A generation not added or matched this long is forgotten."
+    )
+
+
+class TrajectoryConfig(_Section):
+    """atropos' trajectory API in front of a scheduler whose source is external (trajectories.py)."""
+
+    scheduler: str | None = Field(
+        default=None,
+        description="The training run's scheduler (host:port, source = external): serves the trajectory "
+        "API (/register-env, /status-env, /scored_data, ...) and sends matched groups to it; unset = off.",
+    )
+    hold_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long a submission waits for room in the trainer's queue (or for a restarting "
+        "scheduler) before a 503.",
+    )
+    max_held: int = Field(default=256, ge=1, description="Submissions waiting at once; beyond, 503 at once.")
+    submit_timeout_s: float = Field(
+        default=30.0, gt=0, description="Deadline of one SubmitGroups call (the ledger write included)."
+    )
+    poll_interval_s: float = Field(
+        default=1.0, gt=0, description="How often the scheduler's status is read (/status-env reads it)."
+    )
+
+
 class GatewaySettings(ServiceSettings):
     """OpenAI-compatible HTTP gateway in front of rollout workers (their gRPC API only).
 
@@ -132,6 +170,12 @@ class GatewaySettings(ServiceSettings):
     sessions: SessionConfig = Field(default_factory=SessionConfig, description="Sticky sessions.")
     timeouts: GatewayTimeouts = Field(default_factory=GatewayTimeouts, description="gRPC deadlines.")
     record: RecordConfig = Field(default_factory=RecordConfig, description="The JSONL call record.")
+    trajectories: TrajectoryConfig = Field(
+        default_factory=TrajectoryConfig, description="atropos' trajectory API (an external-source run)."
+    )
+    registry: RegistrySettings = Field(
+        default_factory=RegistrySettings, description="The generation registry."
+    )
 
     @field_validator("rollouts")
     @classmethod

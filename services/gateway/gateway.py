@@ -6,7 +6,8 @@ A generating call: checks (limits.py) → admission (429 when full) → the sess
 least loaded one (429 when it is at its bound) →
 prompt tokens (chat: the rollout's RenderMessages, CONVERSATION mode, or BRIDGE mode appended to the
 session's last call when this call continues it; then a token-in Generate. completions: the text
-through Generate, or token-in) → the prefix rule (sessions.py) → record.
+through Generate, or token-in) → the generation registry (registry.py: every generation, every
+route) → the prefix rule (sessions.py) → record.
 """
 
 from __future__ import annotations
@@ -26,8 +27,15 @@ from services.gateway.admission import Admission
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import ApiError, from_rollout, invalid, too_many
 from services.gateway.recorder import CallRecord, CallRecorder, ChoiceRecord
+from services.gateway.registry import GenerationRegistry
 from services.gateway.rollouts import RolloutPool, RolloutView
-from services.gateway.schemas import ChatRequest, CompletionRequest, GenerateTokensRequest, TokenizeRequest
+from services.gateway.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    GenerateTokensRequest,
+    TokenizeRequest,
+    VllmGenerateRequest,
+)
 from services.gateway.sessions import (
     Canonical,
     ChatTurn,
@@ -76,7 +84,12 @@ def _context_param(exc: ApiError) -> str | None:
 
 class Gateway:
     def __init__(
-        self, settings: GatewaySettings, pool: RolloutPool, admission: Admission, recorder: CallRecorder
+        self,
+        settings: GatewaySettings,
+        pool: RolloutPool,
+        admission: Admission,
+        recorder: CallRecorder,
+        registry: GenerationRegistry | None = None,
     ) -> None:
         self.settings = settings
         self.limits = settings.limits
@@ -84,6 +97,9 @@ class Gateway:
         self.admission = admission
         self.recorder = recorder
         self.sessions = SessionTable(settings.sessions.max_sessions, settings.sessions.ttl_s)
+        if registry is None:
+            registry = GenerationRegistry(settings.registry.max_generations, settings.registry.ttl_s)
+        self.registry = registry
         self.requests = 0
         self.rejected_full = 0
 
@@ -149,7 +165,7 @@ class Gateway:
         route: str, chat: Callable[[list[types_pb2.Completion]], ChatTurn] | None = None,
     ) -> tuple[list[int], list[types_pb2.Completion]]:  # fmt: skip
         """Generate on the call's rollout (token-in, a text, or chat messages it renders); the prompt's
-        ids, the choices; session bookkeeping."""
+        ids, the choices; every choice into the registry; session bookkeeping."""
         request = rollout_pb2.GenerateRequest(request_id=call.request_id, sampling_params=params)
         request.prompt.id = call.request_id
         if token_ids is not None:
@@ -162,6 +178,7 @@ class Gateway:
         completions = await self._rollout(call.view, call.view.client.generate(request))
         if token_ids is None:
             token_ids = list(completions[0].prompt_token_ids) if completions else []
+        self.registry.add(token_ids, completions)
         self._after(call, token_ids, completions, route, chat)
         return token_ids, completions
 
@@ -340,6 +357,40 @@ class Gateway:
             ids, completions = await self._generate(call, params, token_ids=ids, route="generate")
         return responses.tokens_response(body.request_id or call.request_id, ids, completions, True)
 
+    async def generate_vllm(self, body: VllmGenerateRequest, session_header: str | None) -> dict[str, Any]:
+        """vLLM's native `/generate` (atropos' `server_type: vllm`): a token prompt (or a text), the
+        sampling parameters at the top level; the same checks, admission and sessions as
+        `/inference/v1/generate`."""
+        self._model(body.model)
+        if body.stream:
+            raise invalid("stream: streaming responses are not supported; send stream=false", "stream",
+                          "unsupported")  # fmt: skip
+        if body.prompt_logprobs is not None:
+            raise invalid(
+                "prompt_logprobs: prompt logprobs are not served (the rollout returns the sampled tokens' "
+                "logprobs only); leave it out",
+                "prompt_logprobs",
+                "unsupported",
+            )
+        check.refuse_top_logprobs(body.logprobs, "logprobs")
+        params = check.sampling(body, self.limits)
+        session_id = self._session_id(session_header)
+        async with self._admitted(session_id) as call:
+            max_len = call.view.max_model_len
+            if isinstance(body.prompt, str):
+                if not body.prompt or len(body.prompt) > self.limits.max_text_chars:
+                    raise invalid(f"prompt must be 1 to {self.limits.max_text_chars} characters", "prompt")
+                check.fit_max_tokens(params, 0, 0, self.limits)
+                if max_len and params.max_tokens >= max_len:
+                    raise invalid(f"max_tokens must be < the model's context {max_len}", "max_tokens")
+                ids, completions = await self._generate(call, params, text=body.prompt, route="generate")
+            else:
+                param = "prompt.prompt_token_ids"
+                ids = check.token_ids(body.prompt.prompt_token_ids, self.limits, param, max_len)
+                check.fit_max_tokens(params, len(ids), max_len, self.limits)
+                ids, completions = await self._generate(call, params, token_ids=ids, route="generate")
+        return responses.vllm_generate_response(ids, completions)
+
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self._model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -387,4 +438,6 @@ class Gateway:
             "gateway/in_flight": sum(v.in_flight for v in self.pool.views.values()),
             "gateway/rollouts_ready": sum(v.ready for v in self.pool.views.values()),
             "gateway/records_dropped": getattr(self.recorder, "dropped", 0),
+            "gateway/registry_size": self.registry.size,
+            "gateway/registry_evicted": self.registry.evicted,
         }

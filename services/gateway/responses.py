@@ -174,3 +174,23 @@ def tokens_response(
         ],
         "usage": usage(len(prompt_ids), completions),
     }
+
+
+def vllm_generate_response(
+    prompt_ids: Sequence[int], completions: Sequence[types_pb2.Completion]
+) -> dict[str, Any]:
+    """vLLM's native `/generate` answer as atropos' `VLLMServer` reads it: per choice, its tokens'
+    logprobs as [[{"<token id>": logprob}] per token] (the sampled token only), its finish reason.
+    `prompt` (the prompt's text in vLLM's answer) is null: the gateway has no tokenizer."""
+    return {
+        "text": [c.text for c in completions],
+        "prompt": None,
+        "prompt_token_ids": list(prompt_ids),
+        "token_ids": [list(c.completion_token_ids) for c in completions],
+        "logprobs": [
+            [[{str(t): lp}] for t, lp in zip(c.completion_token_ids, c.logprobs, strict=True)]
+            for c in completions
+        ],
+        "finish_reasons": [finish_reason(c) for c in completions],
+        "weight_versions": [weight_versions(c) for c in completions],
+    }

@@ -2,6 +2,7 @@
 one place where every failure becomes an OpenAI-style JSON error (errors.py's table).
 
     POST /v1/chat/completions   POST /v1/completions   POST /inference/v1/generate
+    POST /generate (vLLM's native route, as atropos' `server_type: vllm` client calls it)
     POST /tokenize              GET  /v1/models        GET  /health       GET /metrics
 
 Bodies are read and parsed here (not by FastAPI's form/JSON sniffing), so a wrong content type, junk
@@ -25,7 +26,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.common.logging import get_logger
 from services.gateway.errors import ApiError, from_validation, invalid
 from services.gateway.gateway import Gateway
-from services.gateway.schemas import ChatRequest, CompletionRequest, GenerateTokensRequest, TokenizeRequest
+from services.gateway.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    GenerateTokensRequest,
+    TokenizeRequest,
+    VllmGenerateRequest,
+)
 
 log = get_logger(__name__)
 
@@ -156,6 +163,11 @@ def build_app(gateway: Gateway, token: str, lifespan: Any = None) -> FastAPI:
     async def generate(request: Request) -> Response:
         body = await read_body(request, GenerateTokensRequest, max_bytes)
         return _JSON(await gateway.generate_tokens(body, session(request)))
+
+    @app.post("/generate")
+    async def generate_vllm(request: Request) -> Response:
+        body = await read_body(request, VllmGenerateRequest, max_bytes)
+        return _JSON(await gateway.generate_vllm(body, session(request)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -112,3 +112,19 @@ class GenerateTokensRequest(_Body):
     request_id: str | None = None
     token_ids: list[int]
     sampling_params: TokenSampling = Field(default_factory=TokenSampling)
+
+
+class PromptTokens(_Body):
+    """vLLM's token prompt ({"prompt_token_ids": [...]})."""
+
+    prompt_token_ids: list[int]
+
+
+class VllmGenerateRequest(TokenSampling):
+    """vLLM's native `POST /generate` (what atropos' `server_type: vllm` client sends): the prompt, and
+    the sampling parameters flattened at the top level."""
+
+    model: str | None = None
+    prompt: PromptTokens | str
+    prompt_logprobs: int | None = None
+    stream: bool | None = None

@@ -41,6 +41,7 @@ from services.gateway.gateway import Gateway
 from services.gateway.recorder import CallRecorder, JsonlRecorder, NullRecorder
 from services.gateway.rollouts import RolloutClient, RolloutPool
 from services.gateway.routes import build_app
+from services.gateway.trajectories import Trajectories, add_routes
 
 log = get_logger(__name__)
 
@@ -72,6 +73,12 @@ class GatewayApp:
             recorder = NullRecorder() if path is None else JsonlRecorder(path, settings.record.max_pending)
         self.gateway = Gateway(settings, self.pool, admission, recorder)
         self.http = build_app(self.gateway, settings.security.token(), lifespan=self._lifespan)
+        self.trajectories: Trajectories | None = None
+        run = settings.trajectories
+        if run.scheduler is not None:  # atropos' trajectory API in front of an external-source run
+            scheduler = SchedulerClient(run.scheduler, timeouts.control_s)
+            self.trajectories = Trajectories(run, self.gateway.registry, scheduler)
+            add_routes(self.http, self.trajectories, settings.limits.max_body_bytes)
         self._metrics: Any = None
         self._loop_lag = LoopLagMonitor(
             report_every=settings.loop_lag_report_seconds, observe=LOOP_LAG.observe
@@ -83,6 +90,8 @@ class GatewayApp:
         await self.pool.start()
         if isinstance(self.gateway.admission, StalenessAdmission):
             await self.gateway.admission.start()
+        if self.trajectories is not None:
+            await self.trajectories.start()
         self._loop_lag.start()
         self._metrics = await asyncio.to_thread(
             start_metrics, self.settings.telemetry, self.settings.security, self.settings.host
@@ -104,6 +113,8 @@ class GatewayApp:
             await self.pool.stop()
             if isinstance(self.gateway.admission, StalenessAdmission):
                 await self.gateway.admission.stop()
+            if self.trajectories is not None:
+                await self.trajectories.stop()
             await self.gateway.recorder.close()
             log.info("gateway stopped")
 

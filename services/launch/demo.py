@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -106,6 +107,20 @@ class DemoSettings(BaseSettings):
         default="arithmetic", description="Environment spec (built-in name, module:Class, file.py:Class)."
     )
     env_arg: list[str] = Field(default_factory=list, description="Environment option key=value (repeatable).")
+    source: Literal["env", "external"] = Field(
+        default="env",
+        description="Where train groups come from: env = the env service (--env); external = submitted "
+        "through the gateway's trajectory API by an external harness (implied by --harness; without one, "
+        "start your harness against the gateway URL the launcher prints).",
+    )
+    harness: str = Field(
+        default="",
+        description="A command that generates through the gateway and submits scored groups (an atropos "
+        "env's `serve`, the verifiers runner; docs/ecosystem.md). With it the run's source is external: "
+        "no env service, a gateway serving the trajectory API, and the command started once the gateway "
+        "is ready, with {gateway} (its URL), {model}, {group_size}, {groups_per_batch}, {steps}, "
+        "{max_tokens}, {temperature}, {seed}, {run_dir} and {python} (this Python) filled in.",
+    )
     loss: LossKind = Field(default=LossKind.grpo, description="Objective.")
     lr: float = Field(default=4e-4, gt=0, description="Learner learning rate.")
     warmup_steps: int = Field(default=30, ge=0, description="Learner linear LR warmup steps.")
@@ -170,6 +185,11 @@ class DemoSettings(BaseSettings):
         "ui.perfetto.dev (the scheduler's `trace`).",
     )
 
+    @property
+    def external(self) -> bool:
+        """Train groups come from the gateway's trajectory API (source external, or a harness given)."""
+        return self.source == "external" or bool(self.harness)
+
 
 def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = None) -> dict:
     """The one run-config file shared by the four services (a table each, plus the shared
@@ -182,9 +202,13 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
         shared["security"] = creds.security_table(mutual=True)
     if cfg.metrics:
         shared["telemetry"] = {"metrics_port": 0}
+    external = cfg.external
     return {
         **shared,
         "env": {"spec": cfg.env, "env_args": env_args, "env_arg": cfg.env_arg, **seed},
+        # source = external: the gateway's trajectory API feeds the scheduler (its addresses are set
+        # by the launcher once the scheduler is up)
+        "gateway": {"served_model_name": "grpo-mesh", "trajectories": {"hold_s": 120.0}},
         "learner": {
             "model": model,
             **seed,
@@ -222,7 +246,8 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
             "max_steps": cfg.steps,
             "max_staleness": cfg.max_staleness,
             "weight_transport": cfg.transport.value,
-            "eval_every": cfg.eval_every,
+            "source": "external" if external else "env",
+            "eval_every": 0 if external else cfg.eval_every,
             "eval_prompts": cfg.eval_prompts,
             "eval_samples": cfg.eval_samples,
             "eval_temperature": cfg.eval_temperature or cfg.temperature,
@@ -267,7 +292,7 @@ def core_plan(cfg: DemoSettings) -> tuple[dict[str, str], list[dict[str, str]]]:
 
 
 async def follow(
-    scheduler_address: str, cfg: DemoSettings, supervisor: Supervisor
+    scheduler_address: str, cfg: DemoSettings, supervisor: Supervisor, harness: ServiceProcess | None = None
 ) -> scheduler_pb2.GetStatusResponse:
     """Poll the scheduler until the run finishes or fails, drawing a progress bar; restart crashed
     services meanwhile (the scheduler may be unreachable while it restarts)."""
@@ -278,6 +303,8 @@ async def follow(
             supervisor.say = bar.write
             while True:
                 supervisor.check()
+                if harness is not None and harness.process is not None and harness.process.poll():
+                    harness.check_alive()  # a harness that failed fails the run (0: it is done)
                 try:
                     status = await scheduler.unary("GetStatus", scheduler_pb2.GetStatusRequest(), 10.0)
                 except GrpoError:
@@ -351,10 +378,8 @@ async def _run(cfg: DemoSettings, owner: RunOwner, started: float) -> int:
     config_path.write_text(tomli_w.dumps(run_config(cfg, model, creds)))
     common = ["--config", str(config_path)]
     learner_cpus, rollout_cpus = core_plan(cfg)
-    workers = [
-        ServiceProcess("env", cfg.run_dir, common),
-        ServiceProcess("learner", cfg.run_dir, common, env=learner_cpus),
-    ]
+    workers = [] if cfg.external else [ServiceProcess("env", cfg.run_dir, common)]
+    workers += [ServiceProcess("learner", cfg.run_dir, common, env=learner_cpus)]
     workers += [
         ServiceProcess(
             "rollout",
@@ -368,6 +393,7 @@ async def _run(cfg: DemoSettings, owner: RunOwner, started: float) -> int:
     for proc in workers:
         owner.track(proc)
     scheduler = None
+    fronts: list[ServiceProcess] = []  # source = external: the gateway, then the harness
     supervisor = Supervisor(workers, RestartPolicy(max_restarts=cfg.max_restarts))
     try:
         for proc in workers:
@@ -381,7 +407,7 @@ async def _run(cfg: DemoSettings, owner: RunOwner, started: float) -> int:
             cfg.run_dir,
             common,
             env={
-                "GRPO_SCHEDULER__ENV_ADDRESS": by_name["env"],
+                **({"GRPO_SCHEDULER__ENV_ADDRESS": by_name["env"]} if "env" in by_name else {}),
                 "GRPO_SCHEDULER__LEARNER_ADDRESS": by_name["learner"],
                 "GRPO_SCHEDULER__ROLLOUT_ADDRESSES": json.dumps(rollout_addresses),
             },
@@ -390,12 +416,15 @@ async def _run(cfg: DemoSettings, owner: RunOwner, started: float) -> int:
         scheduler.start()
         address = await scheduler.wait_ready(cfg.startup_timeout)
         supervisor.add(scheduler)
+        if cfg.external:
+            fronts = await start_fronts(cfg, model, common, address, rollout_addresses, owner, supervisor)
         if cfg.metrics:
             print(
                 "metrics: " + ", ".join(f"{p.tag} {p.metrics_url()}" for p in [*workers, scheduler]),
                 flush=True,
             )
-        status = await follow(address, cfg, supervisor)
+        harness = fronts[-1] if cfg.harness else None
+        status = await follow(address, cfg, supervisor, harness)
     except ServiceFailed as exc:
         print(f"\nerror: {exc}", flush=True)
         return 1
@@ -403,8 +432,48 @@ async def _run(cfg: DemoSettings, owner: RunOwner, started: float) -> int:
         print("\nstopped: every service was sent SIGTERM", flush=True)
         return 143
     finally:
-        terminate_all(([scheduler] if scheduler else []) + workers[::-1])
+        terminate_all(fronts[::-1] + ([scheduler] if scheduler else []) + workers[::-1])
     return report(cfg, status, time.perf_counter() - started, dict(supervisor.restarts))
+
+
+async def start_fronts(
+    cfg: DemoSettings, model: str, common: list[str], scheduler: str, rollouts: list[str],
+    owner: RunOwner, supervisor: Supervisor,
+) -> list[ServiceProcess]:  # fmt: skip
+    """source = external: the gateway (generation, the trajectory API; supervised like a service)
+    in front of the rollouts and the scheduler, then the harness command, which talks to it."""
+    gateway = ServiceProcess(
+        "gateway",
+        cfg.run_dir,
+        common,
+        env={
+            "GRPO_GATEWAY__ROLLOUTS": json.dumps(rollouts),
+            "GRPO_GATEWAY__TRAJECTORIES__SCHEDULER": scheduler,
+            "GRPO_GATEWAY__ADMISSION__SCHEDULER": scheduler,
+            "GRPO_GATEWAY__ADMISSION__MAX_STALENESS": str(cfg.max_staleness),
+        },
+        readiness="http",
+    )
+    owner.track(gateway)
+    gateway.start()
+    url = "http://" + await gateway.wait_ready(cfg.startup_timeout)
+    supervisor.add(gateway)
+    fields = {
+        "gateway": url, "model": model, "group_size": cfg.group_size, "steps": cfg.steps,
+        "groups_per_batch": cfg.groups_per_batch, "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature, "seed": cfg.seed if cfg.seed is not None else 0,
+        "run_dir": cfg.run_dir.resolve(), "python": sys.executable,
+    }  # fmt: skip
+    (cfg.run_dir / "gateway.url").write_text(url)
+    print(f"gateway: {url} (inference and the trajectory API)", flush=True)
+    if not cfg.harness:
+        return [gateway]
+    command = [part.format(**fields) for part in shlex.split(cfg.harness)]
+    harness = ServiceProcess("harness", cfg.run_dir, command=command)
+    owner.track(harness)
+    harness.start()
+    print(f"harness: {shlex.join(command)} (log: {harness.log_file})", flush=True)
+    return [gateway, harness]
 
 
 def report(

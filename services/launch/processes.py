@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grpo.env.v1 import env_pb2
@@ -84,6 +85,10 @@ class ServiceProcess:
     started_at: int | None = None  # the current process's start time (/proc/<pid>/stat), read at start
     die_with_starter: bool = True  # SIGTERM from the kernel when the starting process exits
     on_change: Callable[[], None] | None = None  # called after each start and once the port is known
+    # a command of its own instead of `python -m services.<name>` (an external harness: no port, no
+    # readiness); "http": a grpo-mesh HTTP service (the gateway), ready once GET /health answers 200
+    command: list[str] = field(default_factory=list)
+    readiness: str = "grpc"
 
     @property
     def tag(self) -> str:
@@ -122,7 +127,7 @@ class ServiceProcess:
             raise RuntimeError("start() off the main thread: the death signal would follow that thread")
         self.port_file.unlink(missing_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        command = [
+        command = self.command or [
             sys.executable,
             "-m",
             f"services.{self.name}",
@@ -188,7 +193,11 @@ class ServiceProcess:
         return f"127.0.0.1:{self.port}"
 
     async def wait_ready(self, timeout: float) -> str:  # noqa: ASYNC109 (a polling deadline, not a call's)
-        """Wait for the port file, then for readiness SERVING on grpc.health.v1; returns host:port."""
+        """Wait for the port file, then for readiness SERVING on grpc.health.v1 (an HTTP service: 200
+        from GET /health); returns host:port. A command of its own is ready once started ("")."""
+        if self.command:
+            self.check_alive()
+            return ""
         deadline = time.monotonic() + timeout
         while not (self.port_file.exists() and self.port_file.read_text().strip()):
             self.check_alive()
@@ -197,6 +206,8 @@ class ServiceProcess:
                     f"{self.name} did not bind a port within {timeout:.0f}s:\n{self.log_tail()}"
                 )
             await asyncio.sleep(0.2)
+        if self.readiness == "http":
+            return await self._wait_http(deadline, timeout)
         health = GrpcClient(self.address, health_pb2_grpc.HealthStub)
         try:
             while True:
@@ -219,6 +230,21 @@ class ServiceProcess:
                 await asyncio.sleep(0.5)
         finally:
             await health.close()
+
+    async def _wait_http(self, deadline: float, timeout: float) -> str:  # noqa: ASYNC109 (a polling deadline)
+        url = f"http://{self.address}/health"
+        async with httpx.AsyncClient() as client:
+            while True:
+                self.check_alive()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ServiceFailed(f"{self.name} not ready within {timeout:.0f}s:\n{self.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(url, timeout=min(5.0, remaining))).status_code == 200:
+                        if self.on_change:
+                            self.on_change()
+                        return self.address
+                await asyncio.sleep(0.5)
 
     def ask_to_stop(self) -> None:
         """SIGTERM this process (our own pid) without waiting for it."""

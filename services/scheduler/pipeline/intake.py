@@ -194,6 +194,7 @@ class ExternalIntake:
             {}, prompt_ids, sampling, message.rollout_id,
         )  # fmt: skip
         self._store.scored(group)
+        self._groups.tokens.add(sum(len(c.completion_token_ids) for c in completions))
         self._queued[message.group_id] = group
         self.accepted += 1
         self.note_first(group)

@@ -1,0 +1,1 @@
+"""Environments from other ecosystems, plugged in unmodified (`openenv.py`: OpenEnv servers)."""

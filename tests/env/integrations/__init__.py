@@ -1,0 +1,1 @@
+"""Tests of environments from other ecosystems (services/env/integrations/)."""

@@ -3,7 +3,8 @@
 #
 #   make demo [MODEL=smollm2] [STEPS=N] [RUN_DIR=runs/x] [ARGS="--secure --resume ..."]
 #                                                        end-to-end run on this machine (grpo-mesh demo)
-#   make test [PYTEST_ARGS="-m 'not slow'"]             the test suite (CI: .ci/run)
+#   make test [PYTEST_ARGS="-m 'not slow'"]             the test suite (CI: .ci/run), integrations included
+#   make integrations                                   atropos, OpenEnv and verifiers (docs/ecosystem.md)
 #   make up [PROFILE=gpu|gpu-nccl] [GRPO_MESH_CONFIG=tiny.toml]   the four services in Docker Compose
 #   make compose-test                                   build, run, stop and resume the compose deployment
 #   make soak [SOAK_ARGS="--seed 1 --duration 600"]     a long demo under random kill -9 and SIGSTOP, then checks
@@ -25,7 +26,7 @@ PY_DIRS := services tests scripts bench
 # Passed to the launcher only when set, so its own defaults apply otherwise.
 DEMO_FLAGS := $(if $(MODEL),--model $(MODEL)) $(if $(STEPS),--steps $(STEPS)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)
 
-.PHONY: help install demo test proto lint format up compose-test clean gpu-check gpu-wheels soak
+.PHONY: help install integrations demo test proto lint format up compose-test clean gpu-check gpu-wheels soak
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 10
@@ -33,10 +34,13 @@ help: ## List the targets.
 install: ## Create/refresh .venv (idempotent; CPU or GPU build chosen by nvidia-smi).
 	bash scripts/install.sh
 
+integrations: install ## atroposlib and the OpenEnv client into .venv; openenv and verifiers into .venvs/ (docs/ecosystem.md).
+	bash scripts/install_integrations.sh
+
 demo: install ## Train end to end on this machine (MODEL=smollm2, STEPS=, RUN_DIR=, ARGS="--flag ...").
 	$(VENV)/bin/grpo-mesh demo $(DEMO_FLAGS)
 
-test: install ## Run the test suite; collecting no tests is a failure.
+test: install integrations ## Run the test suite (the ecosystem integrations installed first); collecting no tests is a failure.
 	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [[ $$rc -eq 5 ]]; then echo "make test: pytest collected no tests" >&2; rc=1; fi; \
 	exit $$rc

@@ -47,6 +47,60 @@ from services.gateway.sessions import (
 
 # tokens of the previous model turn sent with a bridge (they tell how much of the close it sampled)
 BRIDGE_TAIL = 16
+# most ids in one request's stop_token_ids; token ids are int32
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def sampled_logprob_only(value: int | None, param: str) -> None:
+    """vLLM's `logprobs` of the token-in routes: None, 0 and 1 are served, all three with each
+    position's sampled token's logprob (the rollout returns nothing else; vLLM's 1 would add the top
+    alternative, which a trainer reading the sampled token's logprob never uses). More is a 400."""
+    if value is not None and not 0 <= value <= 1:
+        raise ApiError(
+            400,
+            f"{param}={value}: only the sampled token's logprob is served (the rollout returns no "
+            "alternatives per position); send 0 or 1, or leave it out",
+            param,
+            code="unsupported",
+        )
+
+
+def stop_token_set(ids: list[int] | None, param: str) -> frozenset[int]:
+    """A request's `stop_token_ids`, checked (at most MAX_STOP_TOKEN_IDS, each a token id >= 0)."""
+    if not ids:
+        return frozenset()
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"{param}: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}", param)
+    bad = next((t for t in ids if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise invalid(f"{param}: {bad} is not a token id", param)
+    return frozenset(ids)
+
+
+def cut_at_stop_token(completion: types_pb2.Completion, stop: frozenset[int]) -> types_pb2.Completion:
+    """`completion` ended at its first token in `stop` (kept as its last token, finish reason stop), as
+    vLLM's `stop_token_ids` ends it; unchanged when it has none. The rollout's sampling params carry
+    stop strings only, so the gateway cuts what the rollout sampled: sampling is autoregressive, so the
+    tokens up to the stop token and their logprobs and versions are exactly what an engine stopping
+    there would have given; only the compute spent after it is wasted. Version spans are cut with it
+    (a token-in generation has no turns); the text, which the token route does not answer with and the
+    gateway (no tokenizer) cannot cut, is cleared."""
+    ids = completion.completion_token_ids
+    end = next((i + 1 for i, token in enumerate(ids) if token in stop), None)
+    if end is None:
+        return completion
+    cut = types_pb2.Completion()
+    cut.CopyFrom(completion)
+    del cut.completion_token_ids[end:]
+    del cut.logprobs[end:]
+    cut.finish_reason = types_pb2.FINISH_REASON_STOP
+    cut.text = ""
+    del cut.version_spans[:]
+    for span in completion.version_spans:
+        if span.start < end:
+            cut.version_spans.add(version=span.version, start=span.start, end=min(span.end, end))
+    return cut
 
 
 def canonical(message: types_pb2.ChatMessage) -> Canonical:
@@ -100,6 +154,8 @@ class Gateway:
         if registry is None:
             registry = GenerationRegistry(settings.registry.max_generations, settings.registry.ttl_s)
         self.registry = registry
+        # more /metrics figures (the trajectory API's), each a callable answering a dict
+        self.metric_sources: list[Callable[[], dict[str, float]]] = []
         self.requests = 0
         self.rejected_full = 0
 
@@ -163,9 +219,11 @@ class Gateway:
         self, call: _Call, params: types_pb2.SamplingParams, *, token_ids: list[int] | None = None,
         text: str = "", messages: list[types_pb2.ChatMessage] | None = None, tools_json: str = "",
         route: str, chat: Callable[[list[types_pb2.Completion]], ChatTurn] | None = None,
+        stop_token_ids: frozenset[int] = frozenset(),
     ) -> tuple[list[int], list[types_pb2.Completion]]:  # fmt: skip
         """Generate on the call's rollout (token-in, a text, or chat messages it renders); the prompt's
-        ids, the choices; every choice into the registry; session bookkeeping."""
+        ids, the choices (each cut at its first of `stop_token_ids`); every choice into the registry;
+        session bookkeeping."""
         request = rollout_pb2.GenerateRequest(request_id=call.request_id, sampling_params=params)
         request.prompt.id = call.request_id
         if token_ids is not None:
@@ -176,6 +234,8 @@ class Gateway:
         else:
             request.prompt.text = text
         completions = await self._rollout(call.view, call.view.client.generate(request))
+        if stop_token_ids:
+            completions = [cut_at_stop_token(c, stop_token_ids) for c in completions]
         if token_ids is None:
             token_ids = list(completions[0].prompt_token_ids) if completions else []
         self.registry.add(token_ids, completions)
@@ -347,14 +407,17 @@ class Gateway:
     ) -> dict[str, Any]:
         self._model(body.model)
         sampling = body.sampling_params
-        check.refuse_top_logprobs(sampling.logprobs, "sampling_params.logprobs")
+        sampled_logprob_only(sampling.logprobs, "sampling_params.logprobs")
+        stop = stop_token_set(sampling.stop_token_ids, "sampling_params.stop_token_ids")
         params = check.sampling(sampling, self.limits, "sampling_params.")
         session_id = self._session_id(session_header)
         async with self._admitted(session_id) as call:
             max_len = call.view.max_model_len
             ids = check.token_ids(body.token_ids, self.limits, "token_ids", max_len)
             check.fit_max_tokens(params, len(ids), max_len, self.limits)
-            ids, completions = await self._generate(call, params, token_ids=ids, route="generate")
+            ids, completions = await self._generate(
+                call, params, token_ids=ids, route="generate", stop_token_ids=stop
+            )
         return responses.tokens_response(body.request_id or call.request_id, ids, completions, True)
 
     async def generate_vllm(self, body: VllmGenerateRequest, session_header: str | None) -> dict[str, Any]:
@@ -372,7 +435,14 @@ class Gateway:
                 "prompt_logprobs",
                 "unsupported",
             )
-        check.refuse_top_logprobs(body.logprobs, "logprobs")
+        sampled_logprob_only(body.logprobs, "logprobs")
+        if body.stop_token_ids:
+            raise invalid(
+                "stop_token_ids: not served on /generate (its answer carries each choice's text, which "
+                "the gateway, having no tokenizer, cannot cut); use /inference/v1/generate",
+                "stop_token_ids",
+                "unsupported",
+            )
         params = check.sampling(body, self.limits)
         session_id = self._session_id(session_header)
         async with self._admitted(session_id) as call:
@@ -440,4 +510,4 @@ class Gateway:
             "gateway/records_dropped": getattr(self.recorder, "dropped", 0),
             "gateway/registry_size": self.registry.size,
             "gateway/registry_evicted": self.registry.evicted,
-        }
+        } | {key: value for source in self.metric_sources for key, value in source().items()}

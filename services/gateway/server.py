@@ -79,6 +79,7 @@ class GatewayApp:
             scheduler = SchedulerClient(run.scheduler, timeouts.control_s)
             self.trajectories = Trajectories(run, self.gateway.registry, scheduler)
             add_routes(self.http, self.trajectories, settings.limits.max_body_bytes)
+            self.gateway.metric_sources.append(self.trajectories.metrics)
         self._metrics: Any = None
         self._loop_lag = LoopLagMonitor(
             report_every=settings.loop_lag_report_seconds, observe=LOOP_LAG.observe

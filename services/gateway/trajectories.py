@@ -94,6 +94,7 @@ class Counters:
     refused: int = 0  # 4xx: never generated, reused, truncated sampling, malformed
     stale: int = 0
     held_out: int = 0  # 503 after --trajectories.hold-s
+    held_max: int = 0  # the most groups held at once
     reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -301,6 +302,7 @@ class Trajectories:
                     reason = f"{group_id}: a generation in it was already submitted in another group"
                     raise self._refuse(400, f"{reason} (each sample is trained once)", "reused_generation")
             self.held += len(matched)
+            self.counters.held_max = max(self.counters.held_max, self.held)
             try:
                 answer = await self._forward([m[1] for m in matched])
             finally:
@@ -340,19 +342,21 @@ class Trajectories:
             wait = min(wait * 2, 2.0)
 
     def _answer(self, answer: scheduler_pb2.SubmitGroupsResponse, matched: list) -> dict[str, Any]:
-        stale = []
+        stale, accepted, duplicates = [], 0, 0
         for (group_id, _, _), verdict, reason in zip(matched, answer.verdicts, answer.reasons, strict=True):
             self._remember(group_id)
             if verdict == scheduler_pb2.GROUP_VERDICT_ACCEPTED:
                 self.counters.accepted += 1
+                accepted += 1
             elif verdict == scheduler_pb2.GROUP_VERDICT_DUPLICATE:
                 self.counters.duplicates += 1
+                duplicates += 1
             else:
                 self.counters.stale += 1
                 stale.append(f"{group_id}: {reason}")
         if stale and len(stale) == len(matched):
             raise self._refuse(409, "; ".join(stale), "stale")
-        return {"status": "received", "groups": len(matched), "stale": stale}
+        return {"status": "received", "accepted": accepted, "duplicates": duplicates, "stale": stale}
 
     def metrics(self) -> dict[str, float]:
         c = self.counters
@@ -363,6 +367,7 @@ class Trajectories:
             "trajectories/stale": c.stale,
             "trajectories/held": self.held,
             "trajectories/held_out": c.held_out,
+            "trajectories/held_max": c.held_max,
         }
 
 

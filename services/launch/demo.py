@@ -119,7 +119,8 @@ class DemoSettings(BaseSettings):
         "env's `serve`, the verifiers runner; docs/ecosystem.md). With it the run's source is external: "
         "no env service, a gateway serving the trajectory API, and the command started once the gateway "
         "is ready, with {gateway} (its URL), {model}, {group_size}, {groups_per_batch}, {steps}, "
-        "{max_tokens}, {temperature}, {seed}, {run_dir} and {python} (this Python) filled in.",
+        "{max_tokens}, {temperature}, {seed}, {run_dir}, {python} (this Python), {max_staleness} and "
+        "{batches_ahead} (max_staleness + 1: atropos' --env.max_batches_offpolicy) filled in.",
     )
     loss: LossKind = Field(default=LossKind.grpo, description="Objective.")
     lr: float = Field(default=4e-4, gt=0, description="Learner learning rate.")
@@ -462,7 +463,10 @@ async def start_fronts(
         "gateway": url, "model": model, "group_size": cfg.group_size, "steps": cfg.steps,
         "groups_per_batch": cfg.groups_per_batch, "max_tokens": cfg.max_tokens,
         "temperature": cfg.temperature, "seed": cfg.seed if cfg.seed is not None else 0,
-        "run_dir": cfg.run_dir.resolve(), "python": sys.executable,
+        "run_dir": cfg.run_dir.resolve(), "python": sys.executable, "max_staleness": cfg.max_staleness,
+        # batches a harness may keep generated ahead and waiting (atropos' max_batches_offpolicy): more
+        # would be stale by the time they train
+        "batches_ahead": cfg.max_staleness + 1,
     }  # fmt: skip
     (cfg.run_dir / "gateway.url").write_text(url)
     print(f"gateway: {url} (inference and the trajectory API)", flush=True)

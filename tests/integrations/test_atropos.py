@@ -1,0 +1,189 @@
+"""An atropos environment, unmodified, trains on grpo-mesh: `examples/atropos_env.py` started with
+atropos' own CLI (`serve`), its inference server and trajectory API both the gateway.
+
+- A run of 24 steps with the scheduler killed (-9) while the env submits: it resumes, versions
+  advance by one, every measured probe is within 1e-4, the audit passes, nothing the env sent is lost.
+- The trajectory API against a live run (no harness, this test is the client): a group of tokens the
+  gateway never generated is refused with the reason; a flood of concurrent producers is held back by
+  the trainer's bounded queue and every submission is accounted for (accepted and trained, or
+  refused as stale), none lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.runs import audit, kill_what_is_left, rows, run_killing
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 24
+B = 4
+RUN_LIMIT_S = 600  # hard bounds: the tests can never hang CI
+
+HARNESS = (
+    "{python} examples/atropos_env.py serve --env.rollout_server_url {gateway} --env.tokenizer_name {model} "
+    "--openai.base_url {gateway}/v1 --openai.server_type vllm --openai.model_name grpo-mesh "
+    "--openai.tokenizer_name {model} --openai.api_key none --env.group_size {group_size} "
+    "--env.seed {seed} --env.max_tokens {max_tokens} --env.temperature {temperature} "
+    "--env.max_batches_offpolicy {batches_ahead}"
+)
+
+
+def _demo(run_dir: Path, model: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "services", "demo", "--run-dir", str(run_dir), "--model", str(model),
+        "--engine", "vllm", "--groups-per-batch", str(B), "--checkpoint-every", "4", *extra,
+    ]  # fmt: skip
+
+
+def test_an_atropos_env_trains_and_survives_kill_9_of_the_scheduler(
+    tmp_path: Path, warm_model_dir: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    command = _demo(run_dir, warm_model_dir, "--steps", str(STEPS), "--harness", HARNESS)
+    run = run_killing(command, run_dir, tmp_path / "launcher.log", [(8, "scheduler")], RUN_LIMIT_S)
+    assert run.returncode == 0, run.output[-4000:]
+    assert [name for name, _ in run.killed] == ["scheduler"], run.killed
+
+    steps = [r for r in rows(run_dir) if "reward_mean" in r]
+    assert [r["weight_version"] for r in steps] == list(range(1, STEPS + 1))
+    measured = [r["logprob_abs_diff_max"] for r in steps if r.get("logprob_abs_diff_max") is not None]
+    assert measured and max(measured) <= 1e-4, measured
+    _, counts = audit(run_dir)
+    assert counts["steps"] == STEPS and counts["groups_trained"] == STEPS * B
+    assert counts["scheduler_starts"] == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"] == {"scheduler": 1}, summary
+
+    harness_log = (run_dir / "logs" / "harness.log").read_text()
+    assert "Initialized env with id" in harness_log  # it registered through /register-env
+    assert (
+        "Failed to send" not in harness_log
+    )  # every group it sent was taken (held while the scheduler was away)
+    gateway_log = (run_dir / "logs" / "gateway.log").read_text()
+    refused = [line for line in gateway_log.splitlines() if "scored data refused" in line]
+    # the env keeps at most max_staleness + 1 batches ahead: only a few groups can still go stale
+    assert all('"status": 409' in line and "stale by" in line for line in refused), refused[:3]
+    print(f"{len(refused)} groups refused as stale, {STEPS * B} trained")
+    rewards = [r["reward_mean"] for r in steps]
+    print(f"reward first 5 {sum(rewards[:5]) / 5:.3f}, last 5 {sum(rewards[-5:]) / 5:.3f}")
+
+
+@contextlib.contextmanager
+def _external_run(run_dir: Path, model: Path, log: Path, *extra: str):
+    """A run with source = external and no harness: yields the gateway's URL."""
+    command = _demo(run_dir, model, "--source", "external", *extra)
+    with log.open("w") as out:
+        launcher = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        url_file = run_dir / "gateway.url"
+        while not url_file.exists():
+            assert launcher.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the gateway did not come up"
+            time.sleep(0.5)
+        yield url_file.read_text().strip(), launcher
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGTERM)
+        try:
+            launcher.wait(timeout=60)
+        finally:
+            kill_what_is_left(launcher, set())
+
+
+PROMPTS = [[21, 25, 13, 22, 23, 31], [23, 15, 21, 21, 31], [24, 20, 15, 23, 19, 31]]  # "37+45=", ...
+
+
+async def _generate(client: httpx.AsyncClient, url: str, prompt: list[int], n: int) -> dict:
+    for _ in range(600):  # 429 while the run's staleness bound closes admission: wait as atropos does
+        body = {"prompt": {"prompt_token_ids": prompt}, "n": n, "max_tokens": 4, "temperature": 1.0}
+        answer = await client.post(f"{url}/generate", json=body)
+        if answer.status_code != 429:
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+        await asyncio.sleep(0.1)
+    raise AssertionError("the gateway never admitted a generation")
+
+
+def _group(prompt: list[int], generated: dict, scores: list[float]) -> dict:
+    tokens = [prompt + ids for ids in generated["token_ids"]]
+    masks = [[-100] * len(prompt) + ids for ids in generated["token_ids"]]
+    return {"tokens": tokens, "masks": masks, "scores": scores, "env_id": 0}
+
+
+async def _flood(url: str, producers: int, until_step: int) -> list[tuple[int, dict]]:
+    """`producers` concurrent loops, each: generate a group (n = 8), submit it; until the run's step."""
+    answers: list[tuple[int, dict]] = []
+    timeout = httpx.Timeout(300.0)
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        registered = (
+            await client.post(f"{url}/register-env", json={"group_size": 8, "desired_name": "flood"})
+        ).json()
+        assert registered["status"] == "success", registered
+
+        async def producer(k: int) -> None:
+            i = 0
+            while (await client.get(f"{url}/status")).json()["current_step"] < until_step:
+                prompt = PROMPTS[(k + i) % len(PROMPTS)]
+                generated = await _generate(client, url, prompt, 8)
+                scores = [float((j + k + i) % 2) for j in range(8)]
+                answer = await client.post(f"{url}/scored_data", json=_group(prompt, generated, scores))
+                answers.append((answer.status_code, answer.json()))
+                i += 1
+
+        await asyncio.gather(*(producer(k) for k in range(producers)))
+    return answers
+
+
+def test_the_trajectory_api_refuses_what_it_never_generated_and_holds_back_a_flood(
+    tmp_path: Path, warm_model_dir: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    with _external_run(run_dir, warm_model_dir, tmp_path / "launcher.log", "--steps", "12",
+                       "--max-staleness", "1") as (url, launcher):  # fmt: skip
+        # an env whose group size is not the run's is told so at registration
+        wrong = httpx.post(f"{url}/register-env", json={"group_size": 3}, timeout=30)
+        assert wrong.status_code == 400 and "--env.group_size 8" in wrong.json()["error"]["message"]
+        # a group of tokens the gateway never generated: refused, with the reason
+        forged = {"tokens": [PROMPTS[0] + [20, 0]] * 8, "masks": [[-100] * 6 + [20, 0]] * 8,
+                  "scores": [1.0, 0.0] * 4}  # fmt: skip
+        refused = httpx.post(f"{url}/scored_data", json=forged, timeout=30)
+        assert refused.status_code == 400, refused.text
+        assert "were not generated by this gateway" in refused.json()["error"]["message"]
+        # a second trainer cannot drain the run's queue
+        assert httpx.get(f"{url}/batch", timeout=30).status_code == 409
+
+        answers = asyncio.run(_flood(url, producers=12, until_step=10))
+        metrics = httpx.get(f"{url}/metrics", timeout=30).json()
+        deadline = time.monotonic() + RUN_LIMIT_S
+        while launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert launcher.returncode == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+
+    statuses = [status for status, _ in answers]
+    assert set(statuses) <= {200, 409}, answers  # taken, or refused as stale with a reason: never a 5xx
+    assert all("stale" in body["error"]["message"] for status, body in answers if status == 409)
+    assert metrics["trajectories/held_max"] > 0  # the bounded queue held submissions back
+    assert metrics["trajectories/refused"] == 1  # the forged group only
+    _, counts = audit(run_dir)
+    # every submission is in the ledger: accepted ones trained or still waiting, stale ones dropped
+    accepted = sum(body["accepted"] for status, body in answers if status == 200)
+    stale = statuses.count(409)
+    assert counts["groups"] == accepted + stale, (counts, accepted, stale)
+    assert counts["groups_trained"] == 12 * B and counts["groups_dropped"] == stale
+    print(f"flood: {len(answers)} submissions, {accepted} taken, {stale} stale, held at most "
+          f"{metrics['trajectories/held_max']}")  # fmt: skip

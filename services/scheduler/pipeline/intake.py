@@ -14,7 +14,9 @@ tokens, behaviour logprobs and weight versions, never the harness's own. The int
 - acknowledges a group the ledger already holds (its `group_id` is its submission id) as DUPLICATE:
   a retried submission is never trained twice, across scheduler restarts too (the ledger restores the
   ids);
-- records a group older than the staleness bound as dropped (STALE), never trains it;
+- records a group that would be older than the staleness bound by the time it trains (the groups
+  taken before it train first: the dispatcher's own reckoning, `policy.expected_train_version`) as
+  dropped (STALE), never trains it: what is accepted is trained;
 - gives each accepted group the next train-stream position, exactly as a drawn prompt gets one, so the
   audit's exactly-once rules hold unchanged: issued, generated and scored at once, and answered only
   once the ledger has it on disk (a kill -9 after the answer loses nothing).
@@ -36,7 +38,7 @@ from services.scheduler.ledger.store import LedgerStore
 from services.scheduler.peers.clients import ScoredGroup
 from services.scheduler.peers.rollouts import RolloutPool
 from services.scheduler.pipeline.groups import GroupPipeline
-from services.scheduler.pipeline.policy import span_versions
+from services.scheduler.pipeline.policy import expected_train_version, span_versions
 
 log = get_logger(__name__)
 
@@ -169,6 +171,10 @@ class ExternalIntake:
         """Record one new group in the ledger: accepted (scored, to be queued) or dropped as stale."""
         completions = list(message.completions)
         versions = span_versions(completions)
+        # the version it will train at, the groups taken before it training first (as the dispatcher's
+        # admission reckons): a group that would be stale by then is refused now, not dropped later
+        batch = self._settings.groups_per_batch
+        expected = expected_train_version(version, self._ledger.in_pipeline(), batch)
         position = self._groups.cursor
         self._groups.cursor += 1
         prompt = types_pb2.Prompt()
@@ -179,9 +185,12 @@ class ExternalIntake:
         )
         self._store.prompt_issued(position, prompt)
         self._ledger.advance(record.group_id, GroupState.GENERATED, versions=versions)
-        age = version - min(versions)
+        age = expected - min(versions)
         if age > self._settings.max_staleness:
-            reason = f"stale by {age} versions at submission (max_staleness {self._settings.max_staleness})"
+            reason = (
+                f"stale by {age} versions by the time it would train (at v{expected}, its oldest token "
+                f"v{min(versions)}; max_staleness {self._settings.max_staleness})"
+            )
             self._ledger.advance(record.group_id, GroupState.DROPPED, reason)
             self.stale += 1
             return Verdict(STALE, reason)

@@ -105,6 +105,8 @@ class TokenSampling(_Body):
     stop: str | list[str] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    # vLLM's: end a choice at the first of these tokens (kept as its last token, as vLLM keeps it)
+    stop_token_ids: list[int] | None = None
 
 
 class GenerateTokensRequest(_Body):

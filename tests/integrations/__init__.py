@@ -1,0 +1,1 @@
+"""Tests of the ecosystem integrations (atropos, verifiers, OpenEnv)."""

@@ -11,7 +11,7 @@ import pytest_asyncio
 
 from gateway.support import ListRecorder, gateway
 from grpo.common.v1 import types_pb2
-from services.gateway.gateway import MAX_STOP_TOKEN_IDS, cut_at_stop_token
+from services.gateway.stop_tokens import MAX_STOP_TOKEN_IDS, cut_at_stop_token
 
 pytestmark = pytest.mark.asyncio(loop_scope="package")
 

@@ -71,17 +71,17 @@ def test_a_verifiers_env_trains_through_the_gateway(tmp_path: Path, warm_model_d
 
     steps = [r for r in rows(run_dir) if "reward_mean" in r]
     assert [r["weight_version"] for r in steps] == list(range(1, STEPS + 1))
-    measured = [r["logprob_abs_diff_max"] for r in steps if r["logprob_abs_diff_max"] is not None]
+    measured = [r["logprob_abs_diff_max"] for r in steps if r.get("logprob_abs_diff_max") is not None]
     assert measured and max(measured) <= 1e-4, measured
     _, counts = audit(run_dir)
     assert counts["steps"] == STEPS and counts["groups_trained"] == STEPS * B, counts
 
-    # the runner's summary (its last stdout line in the harness log): groups accepted, none refused
-    summaries = [json.loads(line) for line in harness_log.splitlines() if line.startswith('{"rollouts"')]
-    assert summaries, harness_log[-3000:]
-    summary = summaries[-1]
-    assert summary["groups_submitted"] >= STEPS * B and summary["groups_refused"] == 0, summary
-    assert summary["rollouts_refused"] == {}, summary
+    # the runner's group lines (stderr, in the harness log): the groups it submitted were accepted; no
+    # rollout was refused as not token-exact (a run's end may cut its last group's calls short)
+    events = [json.loads(line) for line in harness_log.splitlines() if line.startswith('{"t"')]
+    answers = [e["answer"] for e in events if e["event"] == "group"]
+    assert sum(a.get("accepted", 0) for a in answers) >= STEPS * B, answers[-5:]
+    assert not [e for e in events if e["event"] == "rollout refused" and e["kind"] != "failed"], events[-5:]
     gateway_log = (run_dir / "logs" / "gateway.log").read_text()
     assert "scored data refused" not in gateway_log
     rewards = [r["reward_mean"] for r in steps]

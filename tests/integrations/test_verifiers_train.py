@@ -23,7 +23,7 @@ from tests.e2e.runs import audit, kill_what_is_left, rows
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / ".venvs" / "verifiers" / "bin" / "python"
 STEPS = 20
-B = 2
+B = 1
 RUN_LIMIT_S = 900  # a hard bound: the test can never hang CI
 DEAD = "http://127.0.0.1:9"  # nothing listens: any request that leaves the machine fails
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -45,6 +44,7 @@ from services.common.errors import GrpoError
 from services.common.security import ClientSecurity, SecuritySettings, set_client_security
 from services.launch import pretrained
 from services.launch.certs import RunCredentials, issue
+from services.launch.fronts import start_fronts
 from services.launch.ownership import RunDirBusy, RunOwner
 from services.launch.processes import ServiceFailed, ServiceProcess, terminate_all
 from services.launch.report import last_row, plot_reward, read_metrics, summarize
@@ -192,6 +192,11 @@ class DemoSettings(BaseSettings):
         return self.source == "external" or bool(self.harness)
 
 
+def rollout_in_flight(cfg: DemoSettings) -> int:
+    """Requests a rollout holds at once: the groups of max_staleness + 1 steps."""
+    return cfg.groups_per_batch * (cfg.max_staleness + 1)
+
+
 def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = None) -> dict:
     """The one run-config file shared by the four services (a table each, plus the shared
     `[security]` and `[telemetry]` tables every service reads)."""
@@ -237,7 +242,7 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
             "engine": cfg.engine,
             **seed,
             "dtype": cfg.dtype,
-            "max_in_flight": cfg.groups_per_batch * (cfg.max_staleness + 1),
+            "max_in_flight": rollout_in_flight(cfg),
             "vllm": {"kv_cache_space_gib": 1},
             "hf": {"device": cfg.device},
         },
@@ -435,49 +440,6 @@ async def _run(cfg: DemoSettings, owner: RunOwner, started: float) -> int:
     finally:
         terminate_all(fronts[::-1] + ([scheduler] if scheduler else []) + workers[::-1])
     return report(cfg, status, time.perf_counter() - started, dict(supervisor.restarts))
-
-
-async def start_fronts(
-    cfg: DemoSettings, model: str, common: list[str], scheduler: str, rollouts: list[str],
-    owner: RunOwner, supervisor: Supervisor,
-) -> list[ServiceProcess]:  # fmt: skip
-    """source = external: the gateway (generation, the trajectory API; supervised like a service)
-    in front of the rollouts and the scheduler, then the harness command, which talks to it."""
-    gateway = ServiceProcess(
-        "gateway",
-        cfg.run_dir,
-        common,
-        env={
-            "GRPO_GATEWAY__ROLLOUTS": json.dumps(rollouts),
-            "GRPO_GATEWAY__TRAJECTORIES__SCHEDULER": scheduler,
-            "GRPO_GATEWAY__ADMISSION__SCHEDULER": scheduler,
-            "GRPO_GATEWAY__ADMISSION__MAX_STALENESS": str(cfg.max_staleness),
-        },
-        readiness="http",
-    )
-    owner.track(gateway)
-    gateway.start()
-    url = "http://" + await gateway.wait_ready(cfg.startup_timeout)
-    supervisor.add(gateway)
-    fields = {
-        "gateway": url, "model": model, "group_size": cfg.group_size, "steps": cfg.steps,
-        "groups_per_batch": cfg.groups_per_batch, "max_tokens": cfg.max_tokens,
-        "temperature": cfg.temperature, "seed": cfg.seed if cfg.seed is not None else 0,
-        "run_dir": cfg.run_dir.resolve(), "python": sys.executable, "max_staleness": cfg.max_staleness,
-        # batches a harness may keep generated ahead and waiting (atropos' max_batches_offpolicy): more
-        # would be stale by the time they train
-        "batches_ahead": cfg.max_staleness + 1,
-    }  # fmt: skip
-    (cfg.run_dir / "gateway.url").write_text(url)
-    print(f"gateway: {url} (inference and the trajectory API)", flush=True)
-    if not cfg.harness:
-        return [gateway]
-    command = [part.format(**fields) for part in shlex.split(cfg.harness)]
-    harness = ServiceProcess("harness", cfg.run_dir, command=command)
-    owner.track(harness)
-    harness.start()
-    print(f"harness: {shlex.join(command)} (log: {harness.log_file})", flush=True)
-    return [gateway, harness]
 
 
 def report(

@@ -129,7 +129,7 @@ class Orchestrator:
             log.exception("run failed", error=self.error)
             raise
         finally:
-            self.intake.close()
+            await self.intake.close()
             in_flight = [*self.groups.tasks, *([self.step_sync.job] if self.step_sync.job else [])]
             for task in [*background, *in_flight]:
                 task.cancel()

@@ -76,8 +76,10 @@ def test_an_atropos_env_trains_and_survives_kill_9_of_the_scheduler(
     )  # every group it sent was taken (held while the scheduler was away)
     gateway_log = (run_dir / "logs" / "gateway.log").read_text()
     refused = [line for line in gateway_log.splitlines() if "scored data refused" in line]
-    # the env keeps at most max_staleness + 1 batches ahead: only a few groups can still go stale
-    assert all('"status": 409' in line and "stale by" in line for line in refused), refused[:3]
+    # the env keeps at most max_staleness + 1 batches ahead: only a few groups can still go stale;
+    # and what it sends once the last step has trained is refused as such
+    assert all('"status": 409' in line and ("stale by" in line or "the run is over" in line)
+               for line in refused), refused[:3]  # fmt: skip
     print(f"{len(refused)} groups refused as stale, {STEPS * B} trained")
     rewards = [r["reward_mean"] for r in steps]
     print(f"reward first 5 {sum(rewards[:5]) / 5:.3f}, last 5 {sum(rewards[-5:]) / 5:.3f}")

@@ -101,9 +101,12 @@ class ExternalIntake:
         """Take submissions from now on (the ledger is restored: positions continue where it ends)."""
         self._open.set()
 
-    def close(self) -> None:
-        """The run is over (finished, failed or stopping): nothing more is taken."""
+    async def close(self) -> None:
+        """The run is over (finished, failed or stopping): nothing more is taken, and a submission
+        being written finishes first (the ledger closes after this)."""
         self._closed = True
+        async with self._lock:
+            pass
 
     def note_first(self, group: ScoredGroup) -> None:
         """A group the probe may be made from (a restart's requeued one)."""
@@ -135,6 +138,9 @@ class ExternalIntake:
             raise Unavailable("the scheduler is preparing the run (restoring its ledger, syncing the "
                               "rollouts): retry shortly")  # fmt: skip
         async with self._lock:
+            if self._closed:  # closed while this one waited for the lock
+                raise FailedPrecondition("the run is over (finished, failed or stopping): nothing more "
+                                         "is trained; start a new run")  # fmt: skip
             verdicts: list[Verdict | None] = []
             new = 0
             for group in groups:

@@ -121,3 +121,19 @@ async def test_a_full_queue_takes_nothing_and_bad_groups_are_refused(tmp_path: P
 async def test_a_scheduler_of_its_own_env_has_no_intake_open(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="eval_every needs the env service"):
         _settings(tmp_path, eval_every=5)
+
+
+async def test_a_submission_being_written_when_the_run_stops_is_written_first(tmp_path: Path) -> None:
+    learner, rollout = FakeLearner(), FakeRollout("r0")
+    orch = _orchestrator(tmp_path, learner, rollout, max_steps=5)
+    run = asyncio.create_task(orch.run())
+    await _until(lambda: orch.intake._open.is_set())
+    submitting = asyncio.create_task(orch.intake.submit([group("ext-last", 0)], "t"))
+    await asyncio.sleep(0)  # it holds the intake and waits on the ledger's write
+    run.cancel()  # the run stops (SIGTERM): its ledger closes
+    await asyncio.gather(run, return_exceptions=True)
+    verdicts = await submitting  # answered: written before the ledger closed, never a closed-ledger error
+    assert [v.kind for v in verdicts] == [ACCEPTED]
+    assert any(r.prompt_id == "ext-last" for r in read_ledger(tmp_path).groups)
+    with pytest.raises(FailedPrecondition, match="the run is over"):
+        await orch.intake.submit([group("ext-after", 0)], "t")

@@ -368,6 +368,26 @@ SEEDS: dict[str, Message] = {
     "RegisterWorker": scheduler_pb2.RegisterWorkerRequest(
         kind=scheduler_pb2.WORKER_KIND_ROLLOUT, address="127.0.0.1:1"
     ),
+    # this scheduler trains its env's prompts: FAILED_PRECONDITION, for any group (never INTERNAL)
+    "SubmitGroups": scheduler_pb2.SubmitGroupsRequest(
+        source="fuzz",
+        groups=[
+            types_pb2.ScoredGroup(
+                group_id="ext-fuzz",
+                rewards=[1.0, 0.0],
+                prompt_token_ids=[1, 2],
+                completions=[
+                    types_pb2.Completion(
+                        index=i,
+                        completion_token_ids=[3],
+                        logprobs=[-1.0],
+                        version_spans=[types_pb2.WeightVersionSpan(version=0, start=0, end=1)],
+                    )
+                    for i in range(2)
+                ],
+            )
+        ],
+    ),
 }
 
 
@@ -473,7 +493,7 @@ def test_services_still_answer_normally(services: dict[str, str]) -> None:
             scheduler_pb2.GetStatusRequest(), timeout=30
         )
         assert len(status.rollouts) <= 16
-    assert len(RPCS) == 26
+    assert len(RPCS) == 27
 
 
 ROLLOUT_RPCS = [(s, m) for s, m in RPCS if s == "rollout"]

@@ -339,3 +339,16 @@ async def test_a_probe_missed_at_start_does_not_hold_the_first_evaluation(tmp_pa
     assert missed and c.orchestrator.finished
     rows = _rows(tmp_path)
     assert rows[0]["eval_only"] and [r["step"] for r in rows if "reward_mean" in r] == [1, 2]
+
+
+async def test_a_probe_no_rollout_answers_at_first_waits_for_one(tmp_path: Path) -> None:
+    """A restarted scheduler whose only rollout misses the probe generation (restarting, or too busy to
+    answer in time) waits for it to be ready again instead of failing the run."""
+    c = cluster(tmp_path, FakeRollout("r0"))
+    await c.orchestrator.pool.refresh_all(0)
+    rollout = c.rollouts["r0"]
+    rollout.alive = False  # healthy at the last poll, unreachable when the probe is asked
+    asyncio.get_running_loop().call_later(0.2, setattr, rollout, "alive", True)
+    probe = await asyncio.wait_for(c.orchestrator.step_sync.alignment.make(c.env, c.orchestrator.pool), 5)
+    assert list(probe.completion_token_ids) == [3, 4, 5]
+    assert [h.address for h in c.orchestrator.pool.healthy()] == ["r0"]

@@ -16,6 +16,7 @@ what a disagreement does: `fail` stops the run (AlignmentError), `warn` logs it.
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
@@ -64,35 +65,52 @@ class AlignmentProbe:
         self.env_spans: list[tuple[int, int]] = []  # [start, end) of the environment's completion tokens
         self.multi_turn = False  # set from the env's description before `make`
 
-    async def make(self, env: EnvClient, pool: RolloutPool) -> types_pb2.TokenSequence:
+    async def make(self, env: EnvClient, pool: RolloutPool, version: int = 0) -> types_pb2.TokenSequence:
         """A fixed probe: one seeded completion of the env's first eval prompt, no longer than
-        `alignment_probe_tokens` (from the first rollout that answers; unreachable ones are marked
-        unhealthy)."""
-        prompt = (await patiently(self.settings.recovery, "env", partial(env.sample, 1, "eval", start=0)))[0]
+        `alignment_probe_tokens`, from the first rollout that answers (unreachable ones are marked
+        unhealthy). When none answers (all restarting, or too busy to answer in time), the rollouts
+        are polled until one is ready again and asked again, up to `recovery.peer_restart_timeout`."""
+        recovery = self.settings.recovery
+        prompt = (await patiently(recovery, "env", partial(env.sample, 1, "eval", start=0)))[0]
         cfg = self.settings.sampling
         max_tokens = min(cfg.max_tokens, self.settings.alignment_probe_tokens)
         sampling = Sampling(n=1, temperature=cfg.temperature, max_tokens=max_tokens, seed=1234)
-        for handle in pool.healthy():
-            try:
-                completions = await handle.client.generate(f"probe-{uuid.uuid4().hex[:8]}", prompt, sampling)
-            except GrpoError as exc:
-                if not exc.unreachable:
-                    raise
-                await pool.mark(handle, healthy=False)
-                continue
-            if not completions:
-                raise RuntimeError("probe generation returned nothing")
-            prompt_ids = list(completions[0].prompt_token_ids)
-            tokens = list(completions[0].completion_token_ids)
-            if self.multi_turn:
-                bridge, second = await self._second_turn(handle, prompt, sampling, prompt_ids, tokens)
-                self.env_spans = [(len(tokens), len(tokens) + len(bridge))]
-                tokens += bridge + second
-            self.sequence = types_pb2.TokenSequence(
-                prompt_token_ids=prompt_ids, completion_token_ids=tokens, temperature=cfg.temperature
-            )
-            return self.sequence
-        raise RuntimeError("no rollout answered the probe generation")
+        deadline = time.monotonic() + recovery.peer_restart_timeout
+        while True:
+            for handle in pool.healthy():
+                try:
+                    completions = await handle.client.generate(
+                        f"probe-{uuid.uuid4().hex[:8]}", prompt, sampling
+                    )
+                except GrpoError as exc:
+                    if not exc.unreachable:
+                        raise
+                    await pool.mark(handle, healthy=False)
+                    continue
+                if not completions:
+                    raise RuntimeError("probe generation returned nothing")
+                return await self._sequence(handle, prompt, sampling, completions[0])
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError("no rollout answered the probe generation")
+            log.warning("no rollout answered the probe generation: waiting for one to be ready")
+            await pool.wait_for_healthy(version, remaining, recovery.retry_interval)
+
+    async def _sequence(
+        self, handle: RolloutHandle, prompt: types_pb2.Prompt, sampling: Sampling, first: types_pb2.Completion
+    ) -> types_pb2.TokenSequence:
+        prompt_ids = list(first.prompt_token_ids)
+        tokens = list(first.completion_token_ids)
+        if self.multi_turn:
+            bridge, second = await self._second_turn(handle, prompt, sampling, prompt_ids, tokens)
+            self.env_spans = [(len(tokens), len(tokens) + len(bridge))]
+            tokens += bridge + second
+        self.sequence = types_pb2.TokenSequence(
+            prompt_token_ids=prompt_ids,
+            completion_token_ids=tokens,
+            temperature=self.settings.sampling.temperature,
+        )
+        return self.sequence
 
     def make_from(self, group: ScoredGroup) -> types_pb2.TokenSequence:
         """The probe for source = external: the first sequence of a submitted group (its prompt and at

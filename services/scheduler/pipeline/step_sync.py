@@ -55,7 +55,7 @@ class StepSync:
     async def first_check(self, env: EnvClient, version: int) -> Alignment:
         """Before training: make the probe sequence, then check every healthy rollout against the
         learner at `version`."""
-        await self.alignment.make(env, self.pool)
+        await self.alignment.make(env, self.pool, version)
         self.last_alignment = await self.alignment.check(self.pool.healthy(), version)
         return self.last_alignment
 

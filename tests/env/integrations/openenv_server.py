@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.launch.processes import die_with
+
 ROOT = Path(__file__).resolve().parents[3]
 OPENENV_PYTHON = ROOT / ".venvs" / "openenv" / "bin" / "python"
 GAME = ROOT / "examples" / "openenv_game" / "server.py"
@@ -47,6 +49,7 @@ def openenv_server(work_dir: Path) -> Iterator[OpenEnvServer]:
     process = subprocess.Popen(
         [str(python), str(GAME), "--port", "0", "--port-file", str(port_file)],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+        preexec_fn=die_with(os.getpid()),  # SIGTERM when this test process dies without its `finally`
     )  # fmt: skip
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

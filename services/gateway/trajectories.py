@@ -54,6 +54,9 @@ from services.gateway.registry import GenerationRegistry
 
 log = get_logger(__name__)
 
+# answered submission ids kept to tell a retry from a reuse (the oldest are forgotten first)
+REMEMBERED_SUBMISSIONS = 100_000
+
 
 class ScoredData(BaseModel):
     """atropos' ScoredData (the fields a trainer reads; the rest are accepted and ignored)."""
@@ -84,7 +87,6 @@ class EnvEntry:
     name: str
     group_size: int
     connected: bool = True
-    submitted: int = 0  # groups accepted from it
 
 
 @dataclass
@@ -129,7 +131,7 @@ def group_message(
     return group
 
 
-def check_sampling(sequences: list[MatchedSequence], sequence_offset: int = 0) -> None:
+def check_sampling(sequences: list[MatchedSequence]) -> None:
     """The learner scores temperature-only logprobs: a sequence sampled with top-p < 1 or top-k > 0
     cannot be trained as it was sampled."""
     for i, seq in enumerate(sequences):
@@ -138,7 +140,7 @@ def check_sampling(sequences: list[MatchedSequence], sequence_offset: int = 0) -
             raise Refused(
                 f"sampled with top_p={params.top_p:g}, top_k={params.top_k}: the learner's logprobs are "
                 "temperature-only, so only untruncated sampling (top_p 1, top_k 0) can be trained",
-                sequence_offset + i,
+                i,
             )
 
 
@@ -151,19 +153,16 @@ class Trajectories:
         self.settings, self.registry, self.scheduler = settings, registry, scheduler
         self.envs: list[EnvEntry] = []
         self.status: scheduler_pb2.GetStatusResponse | None = None
-        self.status_at = 0.0
         self.held = 0
         self.counters = Counters()
         self._task: asyncio.Task[None] | None = None
         self._submitted: dict[str, None] = {}  # insertion-ordered: the answered submission ids
-        self.registry_bound = 100_000
 
     # ---- the scheduler's status ----------------------------------------------------------------
 
     async def poll_once(self) -> None:
         try:
             self.status = await self.scheduler.status()
-            self.status_at = time.monotonic()
         except GrpoError as exc:  # keep the last answer: an env keeps its pace while the scheduler restarts
             log.warning("scheduler status unavailable", error=str(exc))
 
@@ -319,7 +318,7 @@ class Trajectories:
         """Submission ids answered (bounded: the oldest are forgotten; the scheduler's ledger still
         acknowledges a forgotten one as a duplicate, the registry's claim then refuses it as reused)."""
         self._submitted[group_id] = None
-        while len(self._submitted) > self.registry_bound:
+        while len(self._submitted) > REMEMBERED_SUBMISSIONS:
             self._submitted.pop(next(iter(self._submitted)))
 
     async def _forward(self, groups: list[types_pb2.ScoredGroup]) -> scheduler_pb2.SubmitGroupsResponse:

@@ -75,7 +75,7 @@ class Orchestrator:
         self.batches = BatchAssembler(settings, self.groups, self.lineage, self.store, pool)
         # source = external: groups come from SubmitGroups (no env service; `env` is None)
         self.intake = ExternalIntake(
-            settings, self.groups, self.ledger, self.store, pool, lambda: self.version,
+            settings, self.groups, self.ledger, self.store, lambda: self.version,
             lambda: self.lineage.generation,
         )  # fmt: skip
         self.evaluator = Evaluator(settings, env, pool, self.episodes)

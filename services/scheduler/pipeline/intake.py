@@ -36,7 +36,6 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.ledger.group_ledger import GroupLedger, GroupState
 from services.scheduler.ledger.store import LedgerStore
 from services.scheduler.peers.clients import ScoredGroup
-from services.scheduler.peers.rollouts import RolloutPool
 from services.scheduler.pipeline.groups import GroupPipeline
 from services.scheduler.pipeline.policy import expected_train_version, span_versions
 
@@ -82,12 +81,11 @@ class ExternalIntake:
         groups: GroupPipeline,
         ledger: GroupLedger,
         store: LedgerStore,
-        pool: RolloutPool,
         version: Callable[[], int],
         generation: Callable[[], int],
     ) -> None:
         self._settings = settings
-        self._groups, self._ledger, self._store, self._pool = groups, ledger, store, pool
+        self._groups, self._ledger, self._store = groups, ledger, store
         self._version, self._generation = version, generation
         self._open = asyncio.Event()  # set once the run is prepared (`open`)
         self._closed = False
@@ -95,7 +93,6 @@ class ExternalIntake:
         self.first = asyncio.Event()  # set once a group was accepted (the probe is made from it)
         self.first_group: ScoredGroup | None = None
         self._queued: dict[str, ScoredGroup] = {}  # taken by the current submission, queued after the flush
-        self.accepted = self.duplicates = self.stale = 0
 
     def open(self) -> None:
         """Take submissions from now on (the ledger is restored: positions continue where it ends)."""
@@ -198,7 +195,6 @@ class ExternalIntake:
                 f"v{min(versions)}; max_staleness {self._settings.max_staleness})"
             )
             self._ledger.advance(record.group_id, GroupState.DROPPED, reason)
-            self.stale += 1
             return Verdict(STALE, reason)
         self._ledger.advance(record.group_id, GroupState.SCORED)
         prompt_ids = list(message.prompt_token_ids)
@@ -211,6 +207,5 @@ class ExternalIntake:
         self._store.scored(group)
         self._groups.tokens.add(sum(len(c.completion_token_ids) for c in completions))
         self._queued[message.group_id] = group
-        self.accepted += 1
         self.note_first(group)
         return Verdict(ACCEPTED)

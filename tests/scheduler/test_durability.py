@@ -33,13 +33,16 @@ def _crash(orchestrator) -> None:
     """What kill -9 leaves: nothing queued since the last write reaches the ledger."""
 
     async def vanish() -> None:
-        orchestrator.store._groups.clear()
-        orchestrator.store._prompts.clear()
-        orchestrator.store._scored.clear()
-        orchestrator.store._rows.clear()
-        db = orchestrator.store._db
-        orchestrator.store._db = None
-        await asyncio.to_thread(db.close)
+        store = orchestrator.store
+        store._groups.clear()
+        store._prompts.clear()
+        store._scored.clear()
+        store._rows.clear()
+        # Closed on the store's own thread, after any write already running there (a cancelled
+        # flusher's shielded write): closing the connection from another thread while it commits
+        # crashes SQLite (this test segfaulted in CI when it did).
+        await store._call(store._db.close)
+        store._db = None
 
     orchestrator.store.close = vanish
 

@@ -5,8 +5,9 @@ one place where every failure becomes an OpenAI-style JSON error (errors.py's ta
     POST /generate (vLLM's native route, as atropos' `server_type: vllm` client calls it)
     POST /tokenize              GET  /v1/models        GET  /health       GET /metrics
 
-Bodies are read and parsed here (not by FastAPI's form/JSON sniffing), so a wrong content type, junk
-bytes, a non-object, an oversized body each get their own 4xx. Every route but /health needs the
+Bodies are read and parsed here (`read_json`, which the trajectory API's routes use too; not FastAPI's
+form/JSON sniffing), so a wrong content type, junk bytes, a non-object, an oversized body each get
+their own 4xx. Every route but /health needs the
 bearer token when one is configured (as the gRPC services: probes cannot send one).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -38,6 +40,7 @@ log = get_logger(__name__)
 
 B = TypeVar("B", bound=BaseModel)
 OPEN_PATHS = ("/health",)
+_NO_BODY = object()  # read_json: an empty body is invalid JSON
 
 
 class _JSON(JSONResponse):
@@ -54,9 +57,10 @@ def _error_response(error: ApiError) -> Response:
     return _JSON(error.body(), status_code=error.status, headers=headers)
 
 
-async def read_body(request: Request, model: type[B], max_bytes: int) -> B:
-    """The request's JSON object as `model`: 415 for another content type, 413 past `max_bytes`,
-    400 for bytes that are not a JSON object or fields of the wrong type (naming the first)."""
+async def read_json(request: Request, max_bytes: int, *, empty: Any = _NO_BODY) -> Any:
+    """The request's body as parsed JSON: 415 for a content type other than JSON, 413 past `max_bytes`
+    (a gzip body, as atropos sends from 1 KiB, counts inflated), 400 for bytes that are not JSON.
+    `empty`, when given, is what an empty body reads as (atropos' GETs send no body)."""
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if content_type != "application/json" and not content_type.endswith("+json"):
         raise ApiError(415, f"Content-Type {content_type[:60]!r}: send application/json", None,
@@ -64,24 +68,55 @@ async def read_body(request: Request, model: type[B], max_bytes: int) -> B:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"the body is {declared} bytes (max {max_bytes})", None, code="body_too_large")
-    chunks, size = [], 0
+    raw, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
             raise ApiError(413, f"the body is over {max_bytes} bytes", None, code="body_too_large")
-        chunks.append(chunk)
+        raw.append(chunk)
+    body = b"".join(raw)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding == "gzip":
+        body = _inflate(body, max_bytes)
+    elif encoding != "identity":
+        raise ApiError(415, f"Content-Encoding {encoding[:40]!r}: send gzip or none", None,
+                       code="unsupported_media_type")  # fmt: skip
+    if not body and empty is not _NO_BODY:
+        return empty
     try:
-        data = json.loads(b"".join(chunks))
+        return json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise invalid(f"the body is not valid JSON: {str(exc)[:120]}", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise invalid("the body must be a JSON object", None, "invalid_json")
+
+
+def _inflate(body: bytes, max_bytes: int) -> bytes:
+    inflater = zlib.decompressobj(wbits=31)
+    try:
+        inflated = inflater.decompress(body, max_bytes + 1)
+    except zlib.error as exc:
+        raise invalid(f"the gzip body does not inflate: {exc}", None, "invalid_body") from None
+    if len(inflated) > max_bytes or inflater.unconsumed_tail:
+        raise ApiError(413, f"the inflated body is over {max_bytes} bytes", None, code="body_too_large")
+    return inflated
+
+
+def validated(model: type[B], data: Any) -> B:
+    """`data` as `model`: 400 naming the first field of the wrong type."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation(exc) from None
     except RecursionError:
         raise invalid("the body is nested too deeply", None, "invalid_json") from None
+
+
+async def read_body(request: Request, model: type[B], max_bytes: int) -> B:
+    """The request's JSON object as `model` (`read_json`'s refusals; 400 for a body that is not an
+    object or has a field of the wrong type)."""
+    data = await read_json(request, max_bytes)
+    if not isinstance(data, dict):
+        raise invalid("the body must be a JSON object", None, "invalid_json")
+    return validated(model, data)
 
 
 def _token_guard(token: str) -> Callable[[Request], ApiError | None]:

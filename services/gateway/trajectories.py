@@ -34,13 +34,12 @@ import hashlib
 import json
 import math
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from grpo.common.v1 import types_pb2
 from grpo.scheduler.v1 import scheduler_pb2
@@ -48,9 +47,10 @@ from services.common.errors import GrpoError, InvalidArgument
 from services.common.logging import get_logger
 from services.gateway.admission import SchedulerClient
 from services.gateway.config import TrajectoryConfig
-from services.gateway.errors import ApiError, from_validation, invalid
+from services.gateway.errors import ApiError, invalid
 from services.gateway.matching import MatchedSequence, Refused, match_sequence
 from services.gateway.registry import GenerationRegistry
+from services.gateway.routes import read_json, validated
 
 log = get_logger(__name__)
 
@@ -371,33 +371,11 @@ class Trajectories:
 
 
 async def _read(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
-    """The body as `model` (or a list of them for /scored_data_list): gzip bodies (atropos compresses
-    from 1 KiB) are inflated to at most `max_bytes`."""
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > max_bytes:
-            raise ApiError(413, f"the body is over {max_bytes} bytes", None, code="body_too_large")
-    if request.headers.get("content-encoding", "").lower() == "gzip":
-        inflater = zlib.decompressobj(wbits=31)
-        try:
-            body = inflater.decompress(bytes(raw), max_bytes + 1)
-        except zlib.error as exc:
-            raise invalid(f"the gzip body does not inflate: {exc}", None, "invalid_body") from None
-        if len(body) > max_bytes or inflater.unconsumed_tail:
-            raise ApiError(413, f"the inflated body is over {max_bytes} bytes", None, code="body_too_large")
-    else:
-        body = bytes(raw)
-    try:
-        data = json.loads(body) if body else {}
-    except ValueError as exc:
-        raise invalid(f"the body is not valid JSON: {str(exc)[:120]}", None, "invalid_json") from None
-    try:
-        if isinstance(data, list):
-            return [model.model_validate(item) for item in data]
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
+    """The body as `model`, or a list of them (/scored_data_list); no body reads as `{}`."""
+    data = await read_json(request, max_bytes, empty={})
+    if isinstance(data, list):
+        return [validated(model, item) for item in data]
+    return validated(model, data)
 
 
 def add_routes(app: FastAPI, api: Trajectories, max_bytes: int) -> None:

@@ -11,6 +11,7 @@ client's mistake is a 4xx with an OpenAI error body naming it; a valid request d
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 
@@ -155,6 +156,24 @@ async def test_body_larger_than_the_limit_is_413(gw) -> None:
         status = await asyncio.wait_for(reader.readline(), 30)
         writer.close()
         assert status.split()[1] in (b"413", b"400"), status
+
+
+async def test_gzip_bodies_are_inflated_within_the_limit(gw) -> None:
+    """atropos gzips its bodies: a gzip body is served, one that inflates past the limit (a 64 KiB
+    limit, 1 MiB of spaces in ~1 KiB) is 413, bytes that are not gzip are 400, another encoding 415."""
+    _, client = gw
+    body = json.dumps({"prompt": "1+1=", "max_tokens": 2}).encode()
+    gz = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    reply = await client.post("/v1/completions", content=gzip.compress(body), headers=gz)
+    assert reply.status_code == 200, reply.text
+    bomb = gzip.compress(b" " * (1 << 20))
+    assert len(bomb) < 64 * 1024
+    reply = await client.post("/v1/completions", content=bomb, headers=gz)
+    assert reply.status_code == 413 and "inflated" in reply.json()["error"]["message"]
+    reply = await client.post("/v1/completions", content=body, headers=gz)
+    assert reply.status_code == 400 and "gzip" in reply.json()["error"]["message"]
+    reply = await client.post("/v1/completions", content=body, headers={**gz, "Content-Encoding": "br"})
+    assert reply.status_code == 415, reply.text
 
 
 async def test_still_serving_every_route_afterwards(gw) -> None:

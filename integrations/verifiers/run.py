@@ -27,8 +27,10 @@ with `X-Session-ID: <trace id>` on every call of a rollout, records each call's 
 ids and logprobs in the trace's message graph, and builds later turns by bridging
 (`renderer.bridge_to_next_turn(prev_prompt, prev_completion, new_messages)`) so earlier tokens are never
 re-rendered. That is the faithful route: what verifiers records is exactly what the gateway generated.
-A renderer that cannot bridge (verifiers' `default` renderer for a model it does not know) re-renders
-the history; if that tokenizes differently, verifiers forks the trace into several branches and this
+renderers bridges only the model families it knows; for any other model the runner's default is our
+`bridging.BridgingRenderer`, which bridges from the model's own chat template (renderers' extension
+point, `CustomRendererConfig`). A renderer that cannot bridge (`--renderer default`) re-renders the
+history; if that tokenizes differently, verifiers forks the trace into several branches and this
 runner refuses the rollout (`not_token_exact`, counted, never submitted). A group with a refused rollout
 is dropped whole: a GRPO group's advantages need all of its members.
 
@@ -59,6 +61,7 @@ from integrations.verifiers.trajectory import Refused, TrajectoryClient, Unavail
 # A chat template that renders each message's content and nothing else (`--raw-prompt`): the prompt is
 # the task's text as is, and the reply ends where the model ends it (its EOS, the renderer's stop token)
 RAW_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+BRIDGING = "integrations.verifiers.bridging.BridgingRenderer"  # renderers' CustomRendererConfig import path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,12 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name", default="", help="model name sent to the gateway (default: /v1/models' first)"
     )
-    p.add_argument("--renderer", default="", help="renderers' renderer name (default: auto from the model)")
+    p.add_argument(
+        "--renderer",
+        default="",
+        help="renderers' renderer name, or 'bridging' (ours: turns bridged from the model's chat template). "
+        "Default: renderers' own for a model in its map, else 'bridging'",
+    )
     p.add_argument(
         "--raw-prompt",
         action="store_true",
-        help="render the messages' contents only, no chat markup (renderers' `default` renderer with "
-        "RAW_TEMPLATE): for a base model trained on raw prompts, e.g. the tiny test model's '3+4='",
+        help="render the messages' contents only, no chat markup (the renderer with RAW_TEMPLATE as its "
+        "chat template): for a base model trained on raw prompts, e.g. the tiny test model's '3+4='",
     )
     p.add_argument("--group-size", type=int, default=4, help="rollouts per task (the GRPO group)")
     p.add_argument(
@@ -320,6 +328,23 @@ async def served_model(gateway: str, deadline_s: float = 10.0) -> tuple[str, int
         return card["id"], int(card.get("max_model_len") or 0)
 
 
+def renderer_config(name: str, model: str, raw_prompt: bool) -> dict[str, Any]:
+    """The train client's renderer: `--renderer NAME` as given; else renderers' own renderer for a model
+    in its map (it knows the model's tool and reasoning formats), and for any other model ours, which
+    bridges turns from the model's chat template (`bridging.py`; renderers' `default` cannot, and a
+    multi-turn rollout would not be token-exact). `--raw-prompt` renders with RAW_TEMPLATE."""
+    from renderers.base import MODEL_RENDERER_MAP
+
+    template = {"chat_template": RAW_TEMPLATE} if raw_prompt else {}
+    if raw_prompt and name not in ("", "bridging", "default"):
+        raise SystemExit(f"--raw-prompt renders with the bridging or default renderer, not {name!r}")
+    if not name:
+        name = "auto" if model in MODEL_RENDERER_MAP and not raw_prompt else "bridging"
+    if name == "bridging":
+        return {"name": "custom", "import_path": BRIDGING, **template}
+    return {"name": name, **template}
+
+
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     import verifiers.v1 as vf
     from verifiers.v1.clients import ModelContext, TrainClientConfig
@@ -328,15 +353,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     model_name, max_model_len = await served_model(gateway)
     factory = load_env_factory(args.env)
     env = factory(**parse_env_args(args.env_arg, factory, args.seed))
-    renderer = {"renderer": {"name": args.renderer}} if args.renderer else {}
-    if args.raw_prompt:
-        renderer = {"renderer": {"name": "default", "chat_template": RAW_TEMPLATE}}
     client = TrainClientConfig.model_validate(
         {
             "base_url": f"{gateway}/v1",
             "api_key_var": "GRPO_TOKEN",
             "renderer_model_name": args.model,
-            **renderer,
+            "renderer": renderer_config(args.renderer, args.model, args.raw_prompt),
         }
     )
     sampling = vf.SamplingConfig(temperature=args.temperature, max_tokens=args.max_tokens)

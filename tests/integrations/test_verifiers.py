@@ -100,18 +100,41 @@ async def test_single_turn_groups_match_the_gateway_record(
     assert all(sum(c.session_id == sid for c in recorder.calls) == 1 for sid in sessions)
 
 
+async def test_multi_turn_groups_bridge_turns_and_match_the_gateway_record(
+    served, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The env's `RetryEnv` (2 turns: "Wrong, try again" while the reply is wrong; 3 digits, so the tiny
+    model is mostly wrong) through the runner's default renderer for a model renderers does not know
+    (`bridging.py`): turn two's prompt is turn one's prompt + completion + the new tokens, so every
+    rollout is token-exact, each sampled span is a recorded call of its session, and the gateway saw
+    no broken episode."""
+    url, recorder = served
+    out = tmp_path / "groups.jsonl"
+    code, summary, err = await run_runner(
+        url, tiny_model_dir, "--env-arg", "turns=2", "--env-arg", "digits=3", "--group-size", "2",
+        "--concurrency", "2", "--max-groups", "2", "--no-submit", "--groups-out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    assert summary["groups_built"] == 2 and summary["rollouts_refused"] == {}, summary
+    groups = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sum(check_against_record(group, recorder) for group in groups) >= 5  # some second turns
+    two_turns = [spans for group in groups for spans in group["spans"] if len(spans) == 2]
+    assert two_turns, groups
+    assert not [c for c in recorder.calls if c.episode_broken]
+
+
 async def test_multi_turn_that_is_not_token_exact_is_refused_and_counted(
     served, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """verifiers' `default` renderer (the tiny model is in no renderer map) cannot bridge turns, so turn
-    two re-renders the history, which tokenizes the sampled completion differently: the runner refuses
-    every such rollout as not token-exact (and drops its group); the gateway saw the same thing."""
+    """verifiers' `default` renderer (`--renderer default`) cannot bridge turns, so turn two re-renders
+    the history, which tokenizes the sampled completion differently: the runner refuses every such
+    rollout as not token-exact (and drops its group); the gateway saw the same thing."""
     url, recorder = served
     out = tmp_path / "groups.jsonl"
     code, summary, err = await run_runner(
         url, tiny_model_dir, "--env-arg", "turns=2", "--env-arg", "digits=3", "--group-size", "2",
         "--concurrency", "2", "--max-groups", "1", "--max-dropped", "1", "--no-submit",
-        "--groups-out", str(out),
+        "--groups-out", str(out), "--renderer", "default",
     )  # fmt: skip
     assert code == 3, err  # gave up after --max-dropped groups in a row
     refused = summary["rollouts_refused"]

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / ".venvs" / "verifiers" / "bin" / "python"
 STEPS = 20
 B = 1
+G = 4  # half the demo's 8: a rollout is a harness program (~1.5 s of this CPU), the group its wall time
 RUN_LIMIT_S = 900  # a hard bound: the test can never hang CI
 DEAD = "http://127.0.0.1:9"  # nothing listens: any request that leaves the machine fails
 
@@ -46,7 +47,7 @@ def harness(uv_cache: Path) -> str:
         f"{offline} {VENV_PYTHON} -m integrations.verifiers.run "
         "--env examples/verifiers_env.py:load_environment --env-arg operators=+- --gateway {gateway} "
         "--model {model} --group-size {group_size} --steps {steps} --max-tokens {max_tokens} "
-        "--temperature {temperature} --seed {seed} --raw-prompt --concurrency 8"
+        "--temperature {temperature} --seed {seed} --raw-prompt --concurrency {group_size}"
     )
 
 
@@ -54,7 +55,8 @@ def test_a_verifiers_env_trains_through_the_gateway(tmp_path: Path, warm_model_d
     run_dir = tmp_path / "run"
     command = [
         sys.executable, "-m", "services", "demo", "--run-dir", str(run_dir), "--model", str(warm_model_dir),
-        "--engine", "vllm", "--steps", str(STEPS), "--groups-per-batch", str(B), "--eval-every", "0",
+        "--engine", "vllm", "--steps", str(STEPS), "--groups-per-batch", str(B), "--group-size", str(G),
+        "--eval-every", "0",
         "--harness", harness(tmp_path / "uv-cache"),
     ]  # fmt: skip
     log = tmp_path / "launcher.log"

@@ -8,6 +8,9 @@ integer expression with no spaces followed by "=" (e.g. "37+45="), answered with
   yields seeded problems forever; `ArithmeticTask.correct` is its `@vf.reward`: the fraction of the
   right-aligned characters of the reply's leading integer that match the answer (1.0 = exact), so a
   small model gets a graded signal to climb.
+- `chat=True` (instruct models such as SmolLM2, as `examples/atropos_env.py`'s chat option) asks "What
+  is 3 + 4?" after the system prompt "Answer with the number only." and scores the reply's last
+  integer the same way.
 - `load_environment(...)` builds the env: `SingleAgentEnv` over the taskset with verifiers' `null`
   harness (a plain chat loop, no tools) in the local `subprocess` runtime (the single-turn case),
   or, with `turns > 1`, `RetryEnv`: a multi-turn `vf.Env` that, while the reply is wrong, answers
@@ -32,6 +35,8 @@ import verifiers.v1 as vf
 from verifiers.v1.envs.single_agent import SingleAgentEnv, SingleAgentEnvConfig
 
 _LEADING_INT = re.compile(r"^-?\d+")
+_INTEGER = re.compile(r"-?\d+")
+SYSTEM_PROMPT = "Answer with the number only."
 
 __all__ = ["ArithmeticTaskset"]
 
@@ -48,13 +53,19 @@ def make_problem(rng: random.Random, digits: int, terms: int, operators: str) ->
     return text + "=", value
 
 
-def score_reply(reply: str, answer: int) -> float:
+def score_reply(reply: str, answer: int, chat: bool = False) -> float:
     """Partial credit: the fraction of right-aligned characters (sign included) of the reply's leading
-    integer that match the answer's; 1.0 on an exact match, 0.0 when the reply starts with no integer."""
-    match = _LEADING_INT.match(reply.strip())
-    if match is None:
+    integer (its last one in chat) that match the answer's; 1.0 on an exact match, 0.0 when there is
+    no such integer."""
+    if chat:
+        found = _INTEGER.findall(reply)
+        got = found[-1] if found else None
+    else:
+        match = _LEADING_INT.match(reply.strip())
+        got = match.group(0) if match else None
+    if got is None:
         return 0.0
-    got, want = match.group(0), str(answer)
+    want = str(answer)
     if got == want:
         return 1.0
     width = max(len(got), len(want))
@@ -69,16 +80,18 @@ class ArithmeticConfig(vf.TasksetConfig):
     terms: int = 2
     operators: str = "+"
     seed: int = 0
+    chat: bool = False
 
 
 class ArithmeticData(vf.TaskData):
     answer: int
+    chat: bool = False
 
 
 class ArithmeticTask(vf.Task[ArithmeticData, vf.State, vf.TaskConfig]):
     @vf.reward
     async def correct(self, task: ArithmeticData, trace: vf.Trace) -> float:
-        return score_reply(trace.last_reply, task.answer)
+        return score_reply(trace.last_reply, task.answer, task.chat)
 
 
 class ArithmeticTaskset(vf.Taskset[ArithmeticTask, ArithmeticConfig]):
@@ -88,9 +101,14 @@ class ArithmeticTaskset(vf.Taskset[ArithmeticTask, ArithmeticConfig]):
         rng = random.Random(self.config.seed)
         for i in itertools.count():
             prompt, answer = make_problem(rng, self.config.digits, self.config.terms, self.config.operators)
-            yield ArithmeticTask(
-                ArithmeticData(name=f"arith#{i}", prompt=prompt, answer=answer), self.config.task
-            )
+            chat = self.config.chat
+            if chat:
+                prompt = "What is " + re.sub(r"([+-])", r" \1 ", prompt[:-1]) + "?"
+            data = ArithmeticData(
+                name=f"arith#{i}", prompt=prompt, answer=answer, chat=chat,
+                system_prompt=SYSTEM_PROMPT if chat else None,
+            )  # fmt: skip
+            yield ArithmeticTask(data, self.config.task)
 
 
 class RetryEnvConfig(vf.EnvConfig):
@@ -106,7 +124,7 @@ class RetryEnv(vf.Env[RetryEnvConfig]):
         async with agents.solver.interaction(task) as interaction:
             segment = await interaction.turn()
             for retry in range(self.config.turns):
-                score = score_reply(segment.last_reply, task.data.answer) * 0.5**retry
+                score = score_reply(segment.last_reply, task.data.answer, task.data.chat) * 0.5**retry
                 best = max(best, score)
                 if score == 0.5**retry or retry + 1 == self.config.turns or segment.terminated:
                     break
@@ -121,9 +139,11 @@ def load_environment(
     seed: int = 0,
     turns: int = 1,
     max_turns: int | None = None,
+    chat: bool = False,
 ) -> vf.Env:
     """The env: single-turn `SingleAgentEnv` (turns=1) or the multi-turn `RetryEnv` (turns>1)."""
-    taskset = {"id": __name__, "digits": digits, "terms": terms, "operators": operators, "seed": seed}
+    taskset = {"id": __name__, "digits": digits, "terms": terms, "operators": operators, "seed": seed,
+               "chat": chat}  # fmt: skip
     agent = vf.AgentConfig(harness={"id": "null"}, runtime=vf.SubprocessConfig(), max_turns=max_turns)
     if turns <= 1:
         return SingleAgentEnv(SingleAgentEnvConfig.model_validate({"taskset": taskset, "agent": agent}))

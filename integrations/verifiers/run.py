@@ -285,14 +285,22 @@ class Runner:
                 if self.stop.is_set():
                     break
                 task = next(tasks, None)
-                if task is None:
+                if task is None:  # a finite taskset is done: its last groups still count
+                    for finished in await asyncio.gather(*pending, return_exceptions=True):
+                        if isinstance(finished, Exception):
+                            raise finished
+                    pending = set()
                     break
                 pending.add(asyncio.create_task(self.one_group(index, task, semaphore)))
                 index += 1
+            # the summary goes out now, before the cleanup below: stopping verifiers' harness programs
+            # can outlast a launcher's grace period, and a SIGKILL then would lose it
+            summary = self.summary()
+            print(json.dumps(summary), flush=True)
             for leftover in pending:
                 leftover.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        return self.summary()
+        return summary
 
     def summary(self) -> dict[str, Any]:
         k = min(len(self.rewards) // 2, 20 * self.args.group_size)
@@ -408,8 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     except (Unavailable, Refused) as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 2
-    print(json.dumps(summary), flush=True)
-    return 3 if summary["gave_up"] else 0
+    return 3 if summary["gave_up"] else 0  # the summary was printed when the run ended (Runner.run)
 
 
 if __name__ == "__main__":

@@ -236,10 +236,23 @@ class Runner:
         if self.args.max_groups and done >= self.args.max_groups:
             self.stop.set()
 
+    async def unless_stopped(self, call: Any) -> Any:
+        """`call`'s result, or None once the run is stopping (a call retrying against a gateway that is
+        gone would hold the runner past a launcher's grace period)."""
+        task, stopping = asyncio.ensure_future(call), asyncio.ensure_future(self.stop.wait())
+        done, _ = await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        for waiting in (task, stopping):
+            if waiting not in done:
+                waiting.cancel()
+        await asyncio.gather(task, stopping, return_exceptions=True)
+        return task.result() if task in done else None
+
     async def refresh_step(self) -> dict[str, Any] | None:
         if self.client is None:
             return None
-        status = await self.client.status()
+        status = await self.unless_stopped(self.client.status())
+        if status is None:
+            return None
         self.step = int(status.get("current_step", 0))
         if self.args.steps and self.step >= self.args.steps:
             self.stop.set()
@@ -274,10 +287,14 @@ class Runner:
             )  # stop cleanly: harness processes are reaped
         async with self.env.serving():
             await self.refresh_step()
+            stopping = asyncio.create_task(self.stop.wait())
             while not self.stop.is_set():
                 while len(pending) >= in_flight_groups and not self.stop.is_set():
-                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for finished in done:
+                    # a stop (SIGTERM) ends the wait at once: a group still waiting on a gateway that
+                    # is gone (retrying until --retry-deadline-s) would outlast a launcher's grace
+                    done, _ = await asyncio.wait({*pending, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    for finished in done - {stopping}:
+                        pending.discard(finished)
                         finished.result()  # a failure of the runner itself ends the run
                 if self.stop.is_set():
                     break
@@ -297,9 +314,9 @@ class Runner:
             # can outlast a launcher's grace period, and a SIGKILL then would lose it
             summary = self.summary()
             print(json.dumps(summary), flush=True)
-            for leftover in pending:
+            for leftover in (*pending, stopping):
                 leftover.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            await asyncio.gather(*pending, stopping, return_exceptions=True)
         return summary
 
     def summary(self) -> dict[str, Any]:

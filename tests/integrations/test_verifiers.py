@@ -144,3 +144,25 @@ async def test_multi_turn_that_is_not_token_exact_is_refused_and_counted(
     # the gateway agrees: a session with a second call is a prefix violation there
     two_call_sessions = {c.session_id for c in recorder.calls if c.episode_broken}
     assert len(two_call_sessions) == refused["not_token_exact"]
+
+
+async def test_sigterm_stops_the_runner_with_its_summary(served, tiny_model_dir: Path) -> None:
+    """What a launcher does at the end of a run: SIGTERM mid-run. The runner stops its rollouts and
+    exits 0 with its summary as the last stdout line."""
+    url, _ = served
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    process = await asyncio.create_subprocess_exec(
+        str(VENV_PYTHON), "-m", "integrations.verifiers.run", "--env", EXAMPLE, "--gateway", url,
+        "--model", str(tiny_model_dir), "--max-tokens", "6", "--group-size", "2", "--concurrency", "2",
+        "--max-groups", "10000", "--no-submit",
+        cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stderr is not None
+    async with asyncio.timeout(RUN_DEADLINE_S):
+        while b'"event": "group"' not in await process.stderr.readline():  # a group was built: mid-run
+            pass
+        process.terminate()
+        out, err = await process.communicate()
+    assert process.returncode == 0, err.decode()[-3000:]
+    summary = json.loads(out.decode().strip().splitlines()[-1])
+    assert summary["groups_built"] >= 1, summary

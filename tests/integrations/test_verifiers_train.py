@@ -84,6 +84,8 @@ def test_a_verifiers_env_trains_through_the_gateway(tmp_path: Path, warm_model_d
     answers = [e["answer"] for e in events if e["event"] == "group"]
     assert sum(a.get("accepted", 0) for a in answers) >= STEPS * B, answers[-5:]
     assert not [e for e in events if e["event"] == "rollout refused" and e["kind"] != "failed"], events[-5:]
+    # the launcher stopped the runner (SIGTERM, with the gateway stopping at once): it printed its summary
+    assert [line for line in harness_log.splitlines() if line.startswith('{"rollouts"')], harness_log[-2000:]
     gateway_log = (run_dir / "logs" / "gateway.log").read_text()
     assert "scored data refused" not in gateway_log
     rewards = [r["reward_mean"] for r in steps]

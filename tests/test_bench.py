@@ -99,3 +99,16 @@ def test_the_alignment_bench_splits_a_multi_turn_probe_and_measures_the_merge(
         assert row["completion_tokens"] > 0 and 0.0 <= row["max"] <= 1e-4, row
         assert all(0.0 <= v <= 1e-4 for v in row["merge"].values()), row
         assert row["rollout_self_spread"] == 0.0
+
+
+def test_the_learner_profile_splits_a_step_into_its_phases(tiny_model_dir: Path) -> None:
+    """bench/profile_learner.py on the tiny model: it trains a step under the profiler and reports each
+    phase's share and the operators' table (what it says about speed is not checked)."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "profile_learner.py"), "--model", str(tiny_model_dir),
+         "--steps", "1", "--top", "5", "--prompts", "2", "--group-size", "2", "--completion-len", "8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    for phase in ("forward+backward", "clip", "optimizer"):
+        assert phase in run.stdout, run.stdout
+    assert "4 samples of 48 tokens" in run.stdout and "aten::mm" in run.stdout, run.stdout

@@ -21,7 +21,7 @@ PY := $(VENV)/bin/python
 RUFF := $(VENV)/bin/ruff
 BUF := $(VENV)/bin/buf
 PROFILE ?= cpu
-PY_DIRS := services tests scripts bench
+PY_DIRS := services tests scripts bench integrations examples
 
 # Passed to the launcher only when set, so its own defaults apply otherwise.
 DEMO_FLAGS := $(if $(MODEL),--model $(MODEL)) $(if $(STEPS),--steps $(STEPS)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)

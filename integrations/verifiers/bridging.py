@@ -18,7 +18,9 @@ renderers' own extension point (`CustomRendererConfig`, `import_path`):
   message by message (each must extend the previous render, else None: the template is not
   prefix-stable there and verifiers falls back to a full render);
 - the bridge is prev_prompt + prev_completion (verbatim) + the close (only when the completion does not
-  already end with it: a reply cut at max_tokens or ended by another stop token) + those tokens.
+  already end with it: a reply cut at max_tokens or ended by another stop token) + those tokens;
+- a template that raises on the probe (or on the new messages after it) gets no bridge: None, as
+  from DefaultRenderer.
 
 The close is also a stop token (`get_stop_token_ids`), so a chat-template turn ends where the template
 ends it. New assistant messages are refused (they would re-tokenize sampled content), as renderers'
@@ -49,12 +51,19 @@ class BridgingRenderer(DefaultRenderer):
 
     def __init__(self, tokenizer: Any, config: BridgingRendererConfig | None = None) -> None:
         super().__init__(tokenizer, config or BridgingRendererConfig())
-        after = self._after_probe([], add_generation_prompt=False)
+        self.close_ids: list[int] = []
+        self.close_text = ""
+        try:
+            after = self._after_probe([], add_generation_prompt=False)
+        except Exception:  # a template that refuses the probe: full renders only, as DefaultRenderer
+            self.bridges = False
+            return
+        self.bridges = True
         first = self._encode(after)[:1]
         special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(
             getattr(tokenizer, "added_tokens_decoder", {}) or {}
         )
-        self.close_ids: list[int] = first if first and first[0] in special else []
+        self.close_ids = first if first and first[0] in special else []
         self.close_text = tokenizer.decode(self.close_ids) if self.close_ids else ""
         if not after.startswith(self.close_text):
             self.close_ids, self.close_text = [], ""  # a close that is not a text prefix: no close
@@ -72,11 +81,14 @@ class BridgingRenderer(DefaultRenderer):
         tools: list[Any] | None = None,
         **_: Any,
     ) -> RenderedTokens | None:
-        if not new_messages or any(m.get("role") == "assistant" for m in new_messages):
+        if not self.bridges or not new_messages or any(m.get("role") == "assistant" for m in new_messages):
             return None
-        texts = [self._after_probe(new_messages[:k], add_generation_prompt=False, tools=tools)
-                 for k in range(len(new_messages) + 1)]  # fmt: skip
-        texts.append(self._after_probe(new_messages, add_generation_prompt=True, tools=tools))
+        try:
+            texts = [self._after_probe(new_messages[:k], add_generation_prompt=False, tools=tools)
+                     for k in range(len(new_messages) + 1)]  # fmt: skip
+            texts.append(self._after_probe(new_messages, add_generation_prompt=True, tools=tools))
+        except Exception:  # the template refuses these messages after the probe: verifiers re-renders
+            return None
         if not all(text.startswith(self.close_text) for text in texts):
             return None
         texts = [text[len(self.close_text) :] for text in texts]

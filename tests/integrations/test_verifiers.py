@@ -166,3 +166,56 @@ async def test_sigterm_stops_the_runner_with_its_summary(served, tiny_model_dir:
     assert process.returncode == 0, err.decode()[-3000:]
     summary = json.loads(out.decode().strip().splitlines()[-1])
     assert summary["groups_built"] >= 1, summary
+
+
+BRIDGE_CHECK = """
+import json, sys
+from renderers.base import create_renderer, load_tokenizer
+from renderers.configs import CustomRendererConfig
+from integrations.verifiers.run import BRIDGING
+refusing = "{% if messages[-1]['role'] == 'assistant' %}{{ raise_exception('no') }}{% endif %}"
+tok = load_tokenizer(sys.argv[1])
+out = {}
+for name, extra in (("chatml", {}), ("refusing", {"chat_template": refusing})):
+    r = create_renderer(tok, CustomRendererConfig(name="custom", import_path=BRIDGING, **extra))
+    first = [{"role": "user", "content": "12+7="}]
+    prompt = r.render(first, add_generation_prompt=True).token_ids
+    new = [{"role": "user", "content": "Wrong, try again: 12+7="}]
+    whole = tok.encode("19", add_special_tokens=False)
+    answered = r.bridge_to_next_turn(prompt, whole + r.close_ids, new)
+    cut = r.bridge_to_next_turn(prompt, whole[:1], new)
+    history = first + [{"role": "assistant", "content": "19"}] + new
+    full = r.render(history, add_generation_prompt=True) if answered else None
+    out[name] = {
+        "close": tok.decode(r.close_ids), "stops": r.get_stop_token_ids(), "close_ids": r.close_ids,
+        "answered": answered and answered.token_ids, "full": full.token_ids if answered else None,
+        "cut": cut and cut.token_ids, "prompt": prompt, "whole": whole,
+    }
+print(json.dumps(out))
+"""
+
+
+async def test_the_bridging_renderer_extends_the_sampled_tokens_as_the_template_renders(
+    tiny_model_dir: Path,
+) -> None:
+    """`bridging.BridgingRenderer` on the tiny model's ChatML template: the bridge after a reply that
+    ended with `<|im_end|>` is the full render of the conversation, token for token; after a reply cut
+    short, the sampled tokens stay verbatim and the close is added; `<|im_end|>` is a stop token. A
+    template that refuses the probe conversation gets no bridge (verifiers then re-renders)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    process = await asyncio.create_subprocess_exec(
+        str(VENV_PYTHON), "-c", BRIDGE_CHECK, str(tiny_model_dir), cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), RUN_DEADLINE_S)
+    assert process.returncode == 0, err.decode()[-3000:]
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    chatml = result["chatml"]
+    assert chatml["close"] == "<|im_end|>" and chatml["close_ids"][0] in chatml["stops"]
+    assert chatml["answered"] == chatml["full"]
+    cut, whole, close = chatml["cut"], chatml["whole"], chatml["close_ids"]
+    kept = chatml["prompt"] + whole[:1] + close  # the sampled token verbatim, then the close
+    assert cut[: len(kept)] == kept
+    assert cut[len(kept) :] == chatml["full"][len(chatml["prompt"]) + len(whole) + len(close) :]
+    refusing = result["refusing"]
+    assert refusing["answered"] is None and refusing["cut"] is None and refusing["close"] == ""

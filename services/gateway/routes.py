@@ -6,9 +6,9 @@ one place where every failure becomes an OpenAI-style JSON error (errors.py's ta
     POST /tokenize              GET  /v1/models        GET  /health       GET /metrics
 
 Bodies are read and parsed here (`read_json`, which the trajectory API's routes use too; not FastAPI's
-form/JSON sniffing), so a wrong content type, junk bytes, a non-object, an oversized body each get
-their own 4xx. Every route but /health needs the
-bearer token when one is configured (as the gRPC services: probes cannot send one).
+form/JSON sniffing), so a wrong content type or encoding, junk bytes, a non-object, an oversized body
+each get their own 4xx. Every route but /health needs the bearer token when one is configured (as the
+gRPC services: probes cannot send one).
 """
 
 from __future__ import annotations

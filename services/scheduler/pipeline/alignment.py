@@ -108,7 +108,7 @@ class AlignmentProbe:
         self.sequence = types_pb2.TokenSequence(
             prompt_token_ids=prompt_ids,
             completion_token_ids=tokens,
-            temperature=self.settings.sampling.temperature,
+            temperature=sampling.temperature,
         )
         return self.sequence
 

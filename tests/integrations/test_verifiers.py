@@ -14,6 +14,7 @@ import pytest
 from gateway.support import ListRecorder, gateway, rollout_settings
 
 from services.common.serve import start_server
+from services.launch.processes import die_with
 from services.rollout.server import RolloutApp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +34,7 @@ async def run_runner(gateway_url: str, model_dir: Path, *args: str) -> tuple[int
         str(VENV_PYTHON), "-m", "integrations.verifiers.run", "--env", EXAMPLE, "--gateway", gateway_url,
         "--model", str(model_dir), "--max-tokens", "6", "--concurrency", "4", *args,
         cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=die_with(os.getpid()),  # gone with this test process, whatever ends it
     )  # fmt: skip
     try:
         out, err = await asyncio.wait_for(process.communicate(), RUN_DEADLINE_S)
@@ -156,6 +158,7 @@ async def test_sigterm_stops_the_runner_with_its_summary(served, tiny_model_dir:
         "--model", str(tiny_model_dir), "--max-tokens", "6", "--group-size", "2", "--concurrency", "2",
         "--max-groups", "10000", "--no-submit",
         cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=die_with(os.getpid()),  # gone with this test process, whatever ends it
     )  # fmt: skip
     assert process.stderr is not None
     async with asyncio.timeout(RUN_DEADLINE_S):
@@ -205,7 +208,7 @@ async def test_the_bridging_renderer_extends_the_sampled_tokens_as_the_template_
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     process = await asyncio.create_subprocess_exec(
         str(VENV_PYTHON), "-c", BRIDGE_CHECK, str(tiny_model_dir), cwd=ROOT, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=die_with(os.getpid()),
     )  # fmt: skip
     out, err = await asyncio.wait_for(process.communicate(), RUN_DEADLINE_S)
     assert process.returncode == 0, err.decode()[-3000:]

@@ -3,11 +3,12 @@
 `grpo-mesh demo` (all four services as processes; the transformers engine, so no vLLM is needed)
 trains with a checkpoint every 2 steps, all kept. At step K a consistent copy of the ledger is taken (SQLite's
 backup API): it stands for the ledger as a power loss leaves it, its later transactions lost.
-Training goes on at least two steps past what that copy accounts for, then every process is killed
-with SIGKILL, the copy is put back in place of the ledger, and the demo is started again with
-`--resume`. The learner's newest checkpoint is now ahead of the ledger: the run must go back to a
-checkpoint the ledger accounts for (`services/scheduler/ledger/recovery.py` states the rule), finish
-every step, and pass `grpo-mesh audit`.
+Training goes on at least three steps past what that copy accounts for, then every process is
+frozen (SIGSTOP: no step more) and killed with SIGKILL, the copy is put back in place of the ledger,
+and the demo is started again with `--resume`. The learner's newest checkpoint is now ahead of the
+ledger: the run must go back to a checkpoint the ledger accounts for
+(`services/scheduler/ledger/recovery.py` states the rule), finish every step, and pass
+`grpo-mesh audit`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ from tests.e2e.runs import audit, trained_step
 
 pytestmark = [pytest.mark.slow]
 
-STEPS = 10
+# A step of the tiny model takes ~50 ms here, so the test's polls see the run only now and then: a
+# copy taken once it sees step COPY_AT may hold several steps more (CI's held 9 at step 3), and the run
+# trains on while the test looks. STEPS leaves the run room for that: it must not end before the kill.
+STEPS = 40
 COPY_AT = 3  # the ledger copied once metrics.jsonl shows this step
 AHEAD = 3  # steps trained after what the copy accounts for, before the power goes
+POLL_S = 0.05
 PHASE_LIMIT_S = 420  # a hard bound per phase: the test can never hang CI
 
 
@@ -53,16 +58,18 @@ def _wait(launcher: subprocess.Popen, until, what: str) -> None:
     while not until():
         assert launcher.poll() is None, f"the demo exited ({launcher.returncode}) before {what}"
         assert time.monotonic() - started < PHASE_LIMIT_S, f"timed out waiting for {what}"
-        time.sleep(0.2)
+        time.sleep(POLL_S)
 
 
 def _kill_all(launcher: subprocess.Popen, seen: set[psutil.Process]) -> None:
-    """SIGKILL the launcher and everything it started, by pid (the power goes: nobody cleans up)."""
+    """Freeze, then SIGKILL, the launcher and everything it started, by pid (the power goes: nobody
+    cleans up). Frozen first, so that no process trains, commits or starts another while others die."""
     with contextlib.suppress(psutil.NoSuchProcess):
         seen.update(psutil.Process(launcher.pid).children(recursive=True))
-    for process in [psutil.Process(launcher.pid), *seen]:
-        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError, PermissionError):
-            process.send_signal(signal.SIGKILL)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for process in [psutil.Process(launcher.pid), *seen]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+                process.send_signal(sig)
     launcher.wait(timeout=30)
     psutil.wait_procs(list(seen), timeout=30)
 
@@ -94,6 +101,7 @@ def test_a_run_survives_a_power_loss_that_takes_the_ledgers_last_writes(
         _wait(launcher, lambda: trained_step(run_dir) >= COPY_AT, f"step {COPY_AT}")
         _copy_ledger(run_dir, copy_dir / FILE_NAME)
         known = max(read_ledger(copy_dir).batches) + 1  # steps the copy accounts for
+        assert known + AHEAD < STEPS, f"the copy holds {known} of {STEPS} steps: no room to train past it"
         _wait(
             launcher,
             lambda: (

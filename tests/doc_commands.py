@@ -41,7 +41,8 @@ from tests.doc_parsers import (
     rpc_count,
 )
 
-DOC_GLOBS = ("README.md", "docs/*.md", "services/scheduler/README.md", "deploy/k8s/README.md")
+DOC_GLOBS = ("README.md", "docs/*.md", "services/scheduler/README.md", "deploy/k8s/README.md",
+             "deploy/slurm/README.md")  # fmt: skip
 SHELLS = {"bash", "sh", "shell", "console", "zsh"}
 PLACEHOLDER = "1"  # what `$(cat runs/demo/scheduler.port)` and an unknown `$T` become
 REPO_ROOTS = ("services/", "tests/", "docs/", "bench/", "scripts/", "docker/", "deploy/", "examples/",

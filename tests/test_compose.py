@@ -6,7 +6,8 @@ service modules with the documented ports, published on 127.0.0.1; healthchecks 
 for the role's full gRPC service name (and the stub really works against a live server); the scheduler
 waits for the others to be healthy; every GRPO_* variable names a settings field and, with every
 run-config in docker/configs/, validates; peer addresses point at real services (the settings helpers
-are shared with tests/test_k8s.py: tests/deployment_settings.py).
+are shared with tests/test_k8s.py: tests/deployment_settings.py). The learner runs under torchrun as
+GRPO_LEARNER_RANKS ranks: its options are read with torch's own parser and run at 2 ranks.
 """
 
 from __future__ import annotations
@@ -36,12 +37,25 @@ INTERPOLATION = re.compile(r"\$\{([A-Z_]+):-([^}]*)\}")
 PORTS = {"scheduler": 50050, "env": 50051, "rollout": 50052, "learner": 50053}  # documented defaults
 PROFILES = ("cpu", "gpu", "gpu-nccl")
 ADDRESS = re.compile(r"^([a-z][a-z0-9-]*):(\d+)$")
+TORCHRUN = "services.launch.torchrun"  # torchrun with a clean stop (its options are torchrun's)
+
+
+def _launch(name: str) -> tuple[list[str], str, list[str]]:
+    """A service's command as (torchrun's options, [] when it runs without torchrun; the module; the
+    module's arguments)."""
+    command = SERVICES[name]["command"]
+    assert command[:2] == ["python", "-m"], command
+    if command[2] == TORCHRUN:
+        at = command.index("-m", 3)
+        launcher, rest = command[3:at], command[at + 1 :]
+    else:
+        launcher, rest = [], command[2:]
+    assert rest[0] == "services" or rest[0].startswith("services."), command
+    return launcher, rest[0], rest[1:]
 
 
 def _role(name: str) -> str:
-    command = SERVICES[name]["command"]
-    assert command[:2] == ["python", "-m"] and command[2].startswith("services."), command
-    return command[2].removeprefix("services.")
+    return _launch(name)[1].removeprefix("services.")
 
 
 def _expand(value: str, **chosen: str) -> str:
@@ -50,7 +64,8 @@ def _expand(value: str, **chosen: str) -> str:
 
 
 def _flag(name: str, flag: str, **chosen: str) -> str:
-    command = SERVICES[name]["command"]
+    """The value of one of the service's own flags (not torchrun's)."""
+    command = _launch(name)[2]
     assert command.count(flag) == 1, f"{name}: {flag} must appear once in {command}"
     return _expand(command[command.index(flag) + 1], **chosen)
 
@@ -299,13 +314,65 @@ def test_learner_and_rollout_serve_the_same_model() -> None:
 
 @pytest.mark.parametrize("role", sorted(PORTS))
 def test_command_module_runs_and_accepts_the_flags(role: str) -> None:
+    """The module's --help lists every flag the command passes; the learner's is run the way compose
+    runs it, under torchrun with its options, at 2 ranks (each rank prints the help and exits 0)."""
     settings_class(role)
     (name,) = {n for n in ROLES if _role(n) == role and "cpu" in SERVICES[n].get("profiles", ["cpu"])}
-    command = [sys.executable, *SERVICES[name]["command"][1:3], "--help"]
+    launcher, module, args = _launch(name)
+    launcher = [_expand(a, GRPO_LEARNER_RANKS="2") for a in launcher]
+    command = [sys.executable, *(["-m", TORCHRUN, *launcher] if launcher else []), "-m", module, "--help"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    for flag in SERVICES[name]["command"][3::2]:
+    for flag in args[::2]:
         assert flag in done.stdout, f"{name}: {flag} missing from --help"
+    if launcher:
+        assert done.stdout.count("usage: python -m services.learner") == 2, "torchrun did not start 2 ranks"
+
+
+def _stop_grace_s(name: str) -> float:
+    grace = SERVICES[name]["stop_grace_period"]
+    assert re.fullmatch(r"\d+s", grace), grace
+    return float(grace[:-1])
+
+
+@pytest.mark.parametrize("ranks", [None, "1", "2"])
+@pytest.mark.parametrize("profile", PROFILES)
+def test_learner_runs_as_ranks_under_torchrun(profile: str, ranks: str | None) -> None:
+    """Every learner variant starts as GRPO_LEARNER_RANKS ranks (default 1) under torchrun, read by
+    torch's own parser: a rendezvous of its own (one container), no restarts of its own (compose's
+    `restart:` restarts the learner as a whole), the same launch as the demo's --learner-ranks
+    (services/launch/demo.py), and a shutdown deadline between the learner's grace and compose's."""
+    from torch.distributed.run import get_args_parser
+
+    from services.launch.demo import DemoSettings, learner_runner
+
+    name = _active(profile)["learner"]
+    launcher, module, args = _launch(name)
+    assert launcher, f"{name}: the learner must run under torchrun"
+    chosen = {} if ranks is None else {"GRPO_LEARNER_RANKS": ranks}
+    command = [*launcher, "-m", module, *args]
+    options = get_args_parser().parse_args([_expand(a, **chosen) for a in command])
+    assert options.nproc_per_node == (ranks or "1")
+    assert options.standalone and options.max_restarts == 0
+    assert options.module and options.training_script == "services.learner"
+    assert options.training_script_args == [_expand(a) for a in args]
+    settings = settings_class("learner")
+    grace = settings.model_fields["grace_seconds"].default
+    assert grace < options.shutdown_timeout < _stop_grace_s(name), "rank 0 needs its grace, then torchrun's"
+    assert SERVICES[name]["init"] is True, "tini (init: true) passes SIGTERM on to torchrun"
+    assert SERVICES[name]["restart"] == "on-failure"
+    demo = learner_runner(DemoSettings(learner_ranks=2))
+    demo_options = get_args_parser().parse_args([*demo[demo.index(TORCHRUN) + 1 :], "services.learner"])
+    for option in ("standalone", "max_restarts", "module"):
+        assert getattr(options, option) == getattr(demo_options, option), option
+
+
+def test_learner_ranks_default_to_one_everywhere() -> None:
+    """One variable sets the ranks of every learner variant; unset, the learner is one rank as before."""
+    for name in ROLES:
+        launcher, _, _ = _launch(name)
+        found = INTERPOLATION.findall(" ".join(launcher))
+        assert found == ([("GRPO_LEARNER_RANKS", "1")] if _role(name) == "learner" else []), (name, found)
 
 
 @pytest.mark.parametrize("profile", PROFILES)

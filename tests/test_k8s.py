@@ -42,7 +42,10 @@ COLLECTIVE_PORT = 29500
 UID = 10001  # the images' user (docker/Dockerfile.*)
 ADDRESS = re.compile(r"\b([a-z][a-z0-9-]*):(\d+)\b")
 # Plausible values for downward-API fields (what the kubelet would put there).
-DOWNWARD = {"metadata.name": "rollout-5f7c9d8b6-x2x7q", "status.podIP": "10.244.1.17"}
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"  # a StatefulSet pod's ordinal
+DOWNWARD = {"metadata.name": "rollout-5f7c9d8b6-x2x7q", "status.podIP": "10.244.1.17", POD_INDEX: "0"}
+TORCHRUN = "services.launch.torchrun"  # the learner: torchrun with a clean stop, `... -m services.learner`
+LEARNER_PROBE = "learner-probe.py"  # the learner's probe script, a ConfigMap key
 
 
 def _objects(kind: str) -> dict[str, dict]:
@@ -75,6 +78,27 @@ def _service(role: str) -> dict:
 def _named_port(container: dict, name: str) -> int:
     (port,) = [p["containerPort"] for p in container.get("ports", []) if p.get("name") == name]
     return port
+
+
+def _launch(command: list[str]) -> tuple[list[str], str, list[str]]:
+    """(torchrun's options, [] without torchrun; the module; the module's arguments)."""
+    assert command[:2] == ["python", "-m"], command
+    if command[2] == TORCHRUN:
+        at = command.index("-m", 3)
+        return command[3:at], command[at + 1], command[at + 2 :]
+    return [], command[2], command[3:]
+
+
+def _headless(role: str) -> dict:
+    """The headless Service that governs a StatefulSet's pods (their DNS names)."""
+    name = _workload(role)["spec"]["serviceName"]
+    return _objects("Service")[name]
+
+
+def _expanded(container: dict) -> list[str]:
+    """The container's command as the kubelet runs it: $(VAR) from its environment."""
+    environment = _environment(container)
+    return [re.sub(r"\$\((\w+)\)", lambda m: environment[m[1]], a) for a in container["command"]]
 
 
 def _flag(command: list[str], flag: str) -> str:
@@ -135,13 +159,17 @@ def test_kustomization_lists_every_manifest() -> None:
 
 
 def test_one_clusterip_service_per_role() -> None:
-    services = _objects("Service")
+    """One Service with a virtual IP per role (headless ones only give pods DNS names); a StatefulSet's
+    Service may select its pod 0 alone (the learner's: global rank 0 serves the gRPC API)."""
+    services = {n: s for n, s in _objects("Service").items() if s["spec"].get("clusterIP") != "None"}
     assert sorted(services) == sorted(PORTS)
     for role, service in services.items():
         assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
         (grpc_port,) = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
         assert grpc_port["port"] == PORTS[role]
-        labels = _workload(role)["spec"]["template"]["metadata"]["labels"]
+        labels = dict(_workload(role)["spec"]["template"]["metadata"]["labels"])
+        if _workload(role)["kind"] == "StatefulSet":  # the label the controller adds to each pod
+            labels["statefulset.kubernetes.io/pod-name"] = f"{role}-0"
         assert service["spec"]["selector"].items() <= labels.items(), f"{role}: selector misses the pods"
 
 
@@ -151,7 +179,9 @@ def test_workload_kind_and_replicas(role: str) -> None:
     assert workload["kind"] == WORKLOAD_KINDS[role]
     spec = workload["spec"]
     assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
-    if workload["kind"] == "StatefulSet":  # durable state on the PVC: exactly one writer
+    if role == "learner":  # one writer of durable state: the ranks, led by rank 0 (test below)
+        assert spec["replicas"] == int(_flag(_container(role)["command"], "--nnodes"))
+    elif workload["kind"] == "StatefulSet":  # durable state on the PVC: exactly one writer
         assert spec["replicas"] == 1 and spec["serviceName"] == role
     if role == "rollout":
         assert spec["replicas"] >= 2
@@ -160,8 +190,8 @@ def test_workload_kind_and_replicas(role: str) -> None:
 @pytest.mark.parametrize("role", sorted(PORTS))
 def test_command_ports_and_grpc_probes_agree(role: str) -> None:
     container, port = _container(role), PORTS[role]
-    command = container["command"]
-    assert command[:3] == ["python", "-m", f"services.{role}"], command
+    _, module, command = _launch(container["command"])
+    assert module == f"services.{role}", container["command"]
     assert int(_flag(command, "--port")) == port
     assert _flag(command, "--config") == f"{CONFIG_DIR}/{RUN_CONFIG}"
     assert (ROOT / "services" / role / "__main__.py").exists(), f"python -m services.{role} has no __main__"
@@ -173,11 +203,18 @@ def test_command_ports_and_grpc_probes_agree(role: str) -> None:
         if service_port["name"] == "grpc":
             assert resolved == port
     full_name = health_service_name(role)
-    assert container["readinessProbe"]["grpc"] == {"port": port, "service": full_name}
-    assert container["livenessProbe"]["grpc"]["port"] == port
-    assert container["livenessProbe"]["grpc"].get("service", "") in ("", full_name)
     startup = container.get("startupProbe") or container["livenessProbe"]
-    assert startup["grpc"]["port"] == port
+    if role == "learner":  # one probe command for every pod: learner-probe.py (tested live below)
+        probe = ["python", f"{CONFIG_DIR}/{LEARNER_PROBE}"]
+        assert container["readinessProbe"]["exec"]["command"] == [*probe, full_name]
+        assert container["livenessProbe"]["exec"]["command"] in ([*probe, ""], [*probe, full_name])
+        assert startup["exec"]["command"] == [*probe, full_name]
+        assert f'"127.0.0.1:{port}"' in _objects("ConfigMap")["grpo-run-config"]["data"][LEARNER_PROBE]
+    else:
+        assert container["readinessProbe"]["grpc"] == {"port": port, "service": full_name}
+        assert container["livenessProbe"]["grpc"]["port"] == port
+        assert container["livenessProbe"]["grpc"].get("service", "") in ("", full_name)
+        assert startup["grpc"]["port"] == port
     patience = startup.get("initialDelaySeconds", 0) + startup.get("periodSeconds", 10) * startup.get(
         "failureThreshold", 3
     )
@@ -190,7 +227,10 @@ def test_images_gpus_security_and_grace(role: str) -> None:
     gpu = role in GPU_ROLES
     assert container["image"] == ("grpo-mesh:gpu" if gpu else "grpo-mesh:cpu")
     limits = container.get("resources", {}).get("limits", {})
-    assert (limits.get("nvidia.com/gpu") == 1) if gpu else "nvidia.com/gpu" not in limits
+    if role == "learner":  # one GPU per rank
+        assert limits.get("nvidia.com/gpu") == int(_flag(container["command"], "--nproc-per-node")) == 1
+    else:
+        assert (limits.get("nvidia.com/gpu") == 1) if gpu else "nvidia.com/gpu" not in limits
     for other in pod["containers"]:
         if other is not container:
             assert "nvidia.com/gpu" not in other.get("resources", {}).get("limits", {}), other["name"]
@@ -295,3 +335,97 @@ def test_run_config_is_default_toml_with_paths_on_the_pvc() -> None:
         config["scheduler"].pop("run_dir")
         config["learner"]["checkpoint"].pop("dir")
     assert ours == default
+
+
+def test_learner_ranks_meet_on_pod_0_through_the_headless_service() -> None:
+    """The learner's pods are nodes of one torchrun job, read with torch's own parser: --nnodes = the
+    StatefulSet's replicas, --node-rank = the pod's ordinal (downward API), one rank per GPU, a static
+    rendezvous on learner-0 through the headless Service (so global rank 0, the rank that serves the
+    gRPC API, is on learner-0, the only pod the `learner` Service selects), no restarts of torchrun's own
+    (the container restarts the learner as a whole), and a shutdown deadline between the learner's grace
+    and the pod's."""
+    from torch.distributed.run import get_args_parser
+
+    workload, container = _workload("learner"), _container("learner")
+    spec = workload["spec"]
+    command = _expanded(container)
+    assert command[:3] == ["python", "-m", TORCHRUN], command
+    options = get_args_parser().parse_args(command[3:])
+    assert options.module and options.training_script == "services.learner"
+    assert int(options.nnodes) == spec["replicas"]
+    (node_rank,) = [v for v in container["env"] if v["name"] == "NODE_RANK"]
+    assert node_rank["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX
+    assert container["command"][container["command"].index("--node-rank") + 1] == "$(NODE_RANK)"
+    assert options.node_rank == int(DOWNWARD[POD_INDEX])
+    assert int(options.nproc_per_node) == container["resources"]["limits"]["nvidia.com/gpu"]
+    assert options.rdzv_backend == "static" and not options.standalone and options.max_restarts == 0
+    headless = _headless("learner")
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    labels = spec["template"]["metadata"]["labels"]
+    assert headless["spec"]["selector"].items() <= labels.items(), "every learner pod needs its DNS name"
+    assert options.master_addr == f"learner-0.{headless['metadata']['name']}"
+    assert options.master_port == _named_port(container, "rendezvous") != COLLECTIVE_PORT
+    assert [p["port"] for p in headless["spec"]["ports"] if p["name"] == "rendezvous"] == [
+        options.master_port
+    ]
+    assert spec["podManagementPolicy"] == "Parallel", "pod 0 cannot be ready before the others start"
+    assert _service("learner")["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == "learner-0"
+    grace = settings_class("learner").model_fields["grace_seconds"].default
+    assert grace < options.shutdown_timeout < _pod("learner")["terminationGracePeriodSeconds"]
+
+
+class _NamedApp:
+    """Serves nothing but health, under one service name."""
+
+    def __init__(self, service_name: str) -> None:
+        self.service_names = (service_name,)
+
+    def register(self, server) -> None:
+        return None
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+async def _probe(tmp_path: Path, node_rank: str, service: str, ready: bool | None) -> int:
+    """Exit code of the ConfigMap's learner-probe.py against a health-only server on a free port
+    (`ready` None: no server)."""
+    import asyncio
+    import sys
+
+    from services.common.config import ServiceSettings
+    from services.common.serve import start_server
+
+    script = _objects("ConfigMap")["grpo-run-config"]["data"][LEARNER_PROBE]
+    running = None
+    if ready is not None:
+        running = await start_server(
+            _NamedApp(health_service_name("learner")), ServiceSettings(port=0, grace_seconds=0.1)
+        )
+        if not ready:
+            await running.set_ready(False)
+        script = script.replace(f"127.0.0.1:{PORTS['learner']}", running.address)
+    else:
+        script = script.replace(f"127.0.0.1:{PORTS['learner']}", "127.0.0.1:1")
+    path = tmp_path / LEARNER_PROBE
+    path.write_text(script)
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(path), service, env={**os.environ, "NODE_RANK": node_rank}
+        )
+        return await asyncio.wait_for(process.wait(), 60)
+    finally:
+        if running is not None:
+            await running.close()
+
+
+async def test_learner_probe_checks_rank_0s_health_and_passes_elsewhere(tmp_path: Path) -> None:
+    full_name = health_service_name("learner")
+    assert await _probe(tmp_path, "0", full_name, ready=True) == 0
+    assert await _probe(tmp_path, "0", full_name, ready=False) != 0
+    assert await _probe(tmp_path, "0", "", ready=True) == 0
+    assert await _probe(tmp_path, "0", full_name, ready=None) != 0
+    assert await _probe(tmp_path, "1", full_name, ready=None) == 0  # pods other than learner-0 serve nothing

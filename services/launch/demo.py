@@ -92,6 +92,12 @@ class DemoSettings(BaseSettings):
         "weights. bfloat16 is for GPUs; float32 keeps learner and rollout logprobs within 1e-4.",
     )
     rollouts: int = Field(default=1, ge=1, description="Number of rollout processes.")
+    learner_ranks: int = Field(
+        default=1,
+        ge=1,
+        description="Learner processes (torchrun --nproc-per-node): the model, its gradients and optimizer "
+        "state sharded over them with FSDP2 (docs/distributed-learner.md); 1 = one plain process.",
+    )
     cpus: Literal["split", "shared"] = Field(
         default="split",
         description="split: the learner and the rollouts get disjoint halves of this machine's cores (each "
@@ -267,6 +273,18 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
     }
 
 
+def learner_runner(cfg: DemoSettings) -> list[str]:
+    """How the learner's module is started: plain Python, or torchrun (through `torchrun.py`, for a clean
+    stop) with one process per rank (a rendezvous of its own on this host; any rank failing takes the
+    others down: the supervisor restarts the learner as a whole)."""
+    if cfg.learner_ranks == 1:
+        return [sys.executable, "-m"]
+    return [
+        sys.executable, "-m", "services.launch.torchrun", "--standalone", "--nproc-per-node",
+        str(cfg.learner_ranks), "--max-restarts", "0", "-m",
+    ]  # fmt: skip
+
+
 def core_plan(cfg: DemoSettings) -> tuple[dict[str, str], list[dict[str, str]]]:
     """`GRPO_<SVC>__CPUS` for the learner and each rollout: disjoint halves of the cores under `split`
     (rollouts share theirs when there are more rollouts than cores), nothing under `shared` or on a
@@ -288,7 +306,7 @@ def core_plan(cfg: DemoSettings) -> tuple[dict[str, str], list[dict[str, str]]]:
         {"GRPO_ROLLOUT__CPUS": format_cpu_list(share), "GRPO_ROLLOUT__SERVICE_CPUS": everything}
         for share in shares
     ]
-    if cfg.lend_idle_cores:
+    if cfg.lend_idle_cores and cfg.learner_ranks == 1:  # a sharded learner keeps to its own cores
         busy_files = [str(cfg.run_dir.resolve() / f"rollout-{i}.busy") for i in range(cfg.rollouts)]
         for rollout, busy_file in zip(rollouts, busy_files, strict=True):
             rollout["GRPO_ROLLOUT__BUSY_FILE"] = busy_file
@@ -385,7 +403,7 @@ async def _run(cfg: DemoSettings, owner: RunOwner, started: float) -> int:
     common = ["--config", str(config_path)]
     learner_cpus, rollout_cpus = core_plan(cfg)
     workers = [] if cfg.external else [ServiceProcess("env", cfg.run_dir, common)]
-    workers += [ServiceProcess("learner", cfg.run_dir, common, env=learner_cpus)]
+    workers += [ServiceProcess("learner", cfg.run_dir, common, env=learner_cpus, runner=learner_runner(cfg))]
     workers += [
         ServiceProcess(
             "rollout",

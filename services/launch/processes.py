@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -26,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -37,6 +37,7 @@ from grpo.rollout.v1 import rollout_pb2
 from grpo.scheduler.v1 import scheduler_pb2
 from services.common.clients import GrpcClient
 from services.common.errors import GrpoError
+from services.common.parent_death import die_with_parent
 from services.common.serve import service_names
 from services.launch.liveset import Member, start_time
 
@@ -52,20 +53,9 @@ READINESS = {
 }
 
 
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-
 def die_with(starter: int) -> Callable[[], None]:
     """The child's last step before it runs the service: SIGTERM when `starter` exits (Linux)."""
-
-    def preexec() -> None:
-        if _libc is not None and _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != starter:  # it died before the death signal was armed
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
+    return partial(die_with_parent, starter)
 
 
 class ServiceFailed(RuntimeError):
@@ -89,6 +79,9 @@ class ServiceProcess:
     # readiness); "http": a grpo-mesh HTTP service (the gateway), ready once GET /health answers 200
     command: list[str] = field(default_factory=list)
     readiness: str = "grpc"
+    # what runs `services.<name>` as a module: this Python, or e.g. torchrun ending in "-m" (the learner's
+    # ranks: `demo.learner_runner`)
+    runner: list[str] = field(default_factory=lambda: [sys.executable, "-m"])
 
     @property
     def tag(self) -> str:
@@ -128,8 +121,7 @@ class ServiceProcess:
         self.port_file.unlink(missing_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         command = self.command or [
-            sys.executable,
-            "-m",
+            *self.runner,
             f"services.{self.name}",
             "--port",
             str(self.port),

@@ -7,6 +7,11 @@ Layout of `<dir>/step_00000012/`:
     rng.pt              torch CPU / CUDA, Python `random` RNG states
     state.json          weight version, step, id of the last consumed batch, loss, model, lineage
 
+A learner of several ranks writes the model and optimizer with torch.distributed.checkpoint instead
+(`sharded_checkpoint.py`: `.metadata` and one `__<rank>_0.distcp` per rank, each rank its own shards)
+and the LR schedule in `schedule.pt`; rng.pt (rank 0's) and state.json as above. Either format
+resumes at any number of ranks.
+
 `<dir>/lineage.json` names the run's learner lineage: written once, when the directory is first used,
 and kept by every process that resumes from it, so a scheduler can tell a learner restarted from this
 run's checkpoints from one of another run.
@@ -137,6 +142,47 @@ def snapshot(
     )
 
 
+@dataclass
+class ShardedSnapshot:
+    """Rank 0's part of a sharded checkpoint: the files every rank is writing into `tmp` (`files`,
+    `sharded_checkpoint.PendingSave`) and what rank 0 adds once they are complete."""
+
+    state: TrainerState
+    scheduler: dict
+    rng: dict
+    tmp: Path
+    files: Any  # .result() returns once every rank's files and DCP's metadata are written
+
+
+def sharded_tmp(root: Path, step: int, leader_pid: int) -> Path:
+    """The directory every rank writes step `step`'s sharded checkpoint into (named after rank 0's pid,
+    so that `remove_stale_tmp` knows whose it is)."""
+    return root / f"{TMP_PREFIX}{step:08d}-{leader_pid}"
+
+
+def _complete(root: Path, tmp: Path, step: int, keep: int) -> Path:
+    """fsync `tmp`'s files, rename it into place as step `step`, prune: the checkpoint now counts."""
+    for path in tmp.iterdir():
+        with path.open("rb") as handle:
+            os.fsync(handle.fileno())
+    final = root / f"{PREFIX}{step:08d}"
+    if final.exists():  # re-saving the same step (e.g. at stop right after a periodic save)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    prune(root, keep)
+    return final
+
+
+def save_sharded_checkpoint(root: Path, snap: ShardedSnapshot, keep: int) -> Path:
+    """Rank 0, once every rank's files are written: the schedule, RNG and state, then the rename."""
+    snap.files.result()
+    torch.save({"scheduler": snap.scheduler}, snap.tmp / "schedule.pt")
+    torch.save(dict(snap.rng, python=_python_rng_to_tensorable(snap.rng["python"])), snap.tmp / "rng.pt")
+    (snap.tmp / "state.json").write_text(json.dumps(asdict(snap.state), indent=2))
+    return _complete(root, snap.tmp, snap.state.step, keep)
+
+
 def save_checkpoint(root: Path, snap: Snapshot, keep: int) -> Path:
     """Write one checkpoint atomically and prune old ones. Returns its directory."""
     root.mkdir(parents=True, exist_ok=True)
@@ -150,15 +196,7 @@ def save_checkpoint(root: Path, snap: Snapshot, keep: int) -> Path:
     rng = dict(snap.rng, python=_python_rng_to_tensorable(snap.rng["python"]))
     torch.save(rng, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps(asdict(snap.state), indent=2))
-    for path in tmp.iterdir():
-        with path.open("rb") as handle:
-            os.fsync(handle.fileno())
-    if final.exists():  # re-saving the same step (e.g. at stop right after a periodic save)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    prune(root, keep)
-    return final
+    return _complete(root, tmp, snap.state.step, keep)
 
 
 class CheckpointWriter:
@@ -175,7 +213,7 @@ class CheckpointWriter:
         self._pending: Future[Path] | None = None
         self.durable_step = durable_step  # step of the newest checkpoint on disk (0: the model as loaded)
 
-    def submit(self, snap: Snapshot) -> None:
+    def submit(self, snap: Snapshot | ShardedSnapshot) -> None:
         with contextlib.suppress(Exception):  # logged by _write where it failed; this one is a new try
             self.wait()
         self._pending = self._executor.submit(self._write, snap)
@@ -194,10 +232,13 @@ class CheckpointWriter:
         """Finish the pending write (a checkpoint under way is not abandoned) and stop the thread."""
         self._executor.shutdown(wait=True)
 
-    def _write(self, snap: Snapshot) -> Path:
+    def _write(self, snap: Snapshot | ShardedSnapshot) -> Path:
         started = time.perf_counter()
         try:
-            path = save_checkpoint(self.root, snap, self.keep)
+            if isinstance(snap, ShardedSnapshot):
+                path = save_sharded_checkpoint(self.root, snap, self.keep)
+            else:
+                path = save_checkpoint(self.root, snap, self.keep)
         except Exception:
             log.exception("checkpoint write failed", step=snap.state.step, dir=str(self.root))
             raise
@@ -279,21 +320,25 @@ def prune(root: Path, keep: int) -> None:
 class LoadedCheckpoint:
     path: Path
     state: TrainerState
-    params: dict[str, torch.Tensor]
-    optimizer: dict
+    params: dict[str, torch.Tensor] | None  # None for a sharded checkpoint (sharded_checkpoint.py loads it)
+    optimizer: dict | None
     scheduler: dict
     rng: dict
 
 
-def load_latest(root: Path) -> LoadedCheckpoint | None:
-    """The newest complete checkpoint under `root`, or None."""
+def load_latest(root: Path, tensors: bool = True) -> LoadedCheckpoint | None:
+    """The newest complete checkpoint under `root`, or None. `tensors=False`, or a sharded checkpoint:
+    without the model and optimizer (`sharded_checkpoint.load_model_and_optimizer` reads either format)."""
     found = list_checkpoints(root)
     if not found:
         return None
     path = found[-1]
     state = TrainerState(**json.loads((path / "state.json").read_text()))
-    params = load_file(str(path / "model.safetensors"))
-    opt = torch.load(path / "optimizer.pt", weights_only=True)
     rng = torch.load(path / "rng.pt", weights_only=True)
     rng["python"] = _python_rng_from_tensorable(rng["python"])
-    return LoadedCheckpoint(path, state, params, opt["optimizer"], opt["scheduler"], rng)
+    if (path / "schedule.pt").exists():  # sharded
+        schedule = torch.load(path / "schedule.pt", weights_only=True)["scheduler"]
+        return LoadedCheckpoint(path, state, None, None, schedule, rng)
+    opt = torch.load(path / "optimizer.pt", weights_only=True)
+    params = load_file(str(path / "model.safetensors")) if tensors else None
+    return LoadedCheckpoint(path, state, params, opt["optimizer"] if tensors else None, opt["scheduler"], rng)

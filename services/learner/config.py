@@ -16,6 +16,7 @@ read (trainer.py hands model.py, losses.py and checkpoint.py the values or secti
     [learner.checkpoint]  atomic checkpoints and resume (--checkpoint.dir)   → trainer.py; dir also
                                                                                learner.py (stop)
     [learner.borrow]      an idle co-located rollout's cores (--borrow.cpus)  → trainer.py
+    [learner.distributed] ranks under torchrun: deadlines, CPU offload         → sharding.py, ranks.py
 """
 
 from __future__ import annotations
@@ -219,6 +220,27 @@ class CheckpointConfig(_Section):
         return self
 
 
+class DistributedConfig(_Section):
+    """The learner as N ranks under torchrun (sharding.py): read only when WORLD_SIZE > 1."""
+
+    timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Deadline of every collective between the learner's ranks (FSDP's all-gathers and "
+        "reduce-scatters, the metrics' reductions): past it the rank fails and torchrun takes the learner "
+        "down, to be restarted.",
+    )
+    idle_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="How long ranks other than 0 wait for rank 0's next command; rank 0 sends a heartbeat "
+        "after a quarter of it without work, so only a hung rank 0 reaches it.",
+    )
+    cpu_offload: bool = Field(
+        default=False, description="Keep sharded parameters, gradients and optimizer state in host memory."
+    )
+
+
 class LearnerSettings(ServiceSettings):
     """Everything the learner needs: model, objective, optimizer, LoRA, publishing, checkpoints."""
 
@@ -258,6 +280,10 @@ class LearnerSettings(ServiceSettings):
     )
     borrow: BorrowConfig = Field(
         default_factory=BorrowConfig, description="Borrowing an idle rollout's cores ([learner.borrow])."
+    )
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig,
+        description="Ranks under torchrun ([learner.distributed]; used when WORLD_SIZE > 1).",
     )
 
     @model_validator(mode="after")

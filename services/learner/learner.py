@@ -30,9 +30,14 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Resource
 from services.common.logging import get_logger
 from services.common.weights import dtype_name
 from services.learner import checkpoint as ckpt
+from services.learner import ranks as ranked
+from services.learner import sharding
 from services.learner.batching import Sample, validate_sample
 from services.learner.config import LearnerSettings
+from services.learner.model import resolve_device
 from services.learner.publish import PreparedStore
+from services.learner.ranks import Leader
+from services.learner.sharding import Ranks
 from services.learner.trainer import StepOutcome, Trainer
 from services.transports import Prepared, PublishContext, Receiver, TransportKind
 from services.transports import registry as transports
@@ -87,7 +92,9 @@ class Learner:
         self.settings = settings
         self.run_id = uuid.uuid4().hex[:8]
         self.store = PreparedStore(settings.publish.max_prepared_versions)
-        self.trainer: Trainer | None = None
+        self.trainer: Trainer | Leader | None = None
+        self.ranks: Ranks | None = None  # the learner's ranks under torchrun (this is rank 0)
+        self._heartbeats: asyncio.Task | None = None
         self.bound_port: int | None = None  # the port actually bound (matters with --port 0)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-model")
         self._train_pending = False
@@ -106,7 +113,13 @@ class Learner:
 
     async def start(self) -> None:
         started = time.perf_counter()
-        self.trainer = await self._run(lambda: Trainer(self.settings))
+        settings = self.settings
+        self.ranks = await self._run(
+            lambda: sharding.join(resolve_device(settings.device), settings.distributed)
+        )
+        self.trainer = await self._run(lambda: ranked.build(settings, self.ranks))
+        if self.ranks is not None:
+            self._heartbeats = asyncio.create_task(self._heartbeat(), name="learner-rank-heartbeats")
         log.info(
             "learner ready",
             model=self.settings.model,
@@ -114,12 +127,27 @@ class Learner:
             device=str(self.trainer.device),
             weight_version=self.trainer.weight_version,
             load_s=round(time.perf_counter() - started, 2),
+            ranks=self.ranks.world if self.ranks else 1,
         )
+
+    async def _heartbeat(self) -> None:
+        """Rank 0 tells the other ranks it is alive a few times per their idle deadline (queued on the
+        model thread like any operation, so never inside another)."""
+        while True:
+            await asyncio.sleep(self.settings.distributed.idle_timeout_s / 4)
+            trainer = self.trainer
+            if isinstance(trainer, Leader):
+                await self._run(trainer.heartbeat)
 
     async def stop(self) -> None:
         """Checkpoint (if configured), free prepared versions, stop the worker thread."""
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
         if self.trainer is not None and self.settings.checkpoint.dir is not None:
             await self._run(self.trainer.save_checkpoint)
+        if isinstance(self.trainer, Leader):  # the other ranks leave the group and exit
+            await self._run(self.trainer.stop)
+            await self._run(sharding.leave)
         self.store.close()
         # The checkpoint above ran after every queued job, so the worker is idle, unless start() was
         # cancelled mid-load: never block the event loop waiting for that load to finish.
@@ -201,7 +229,7 @@ class Learner:
         trainer = self._ready()
         return await self._run(lambda: self._restore(trainer, lineage_id, max_step, min_step))
 
-    def _restore(self, trainer: Trainer, lineage_id: str, max_step: int, min_step: int) -> Restored:
+    def _restore(self, trainer: Trainer | Leader, lineage_id: str, max_step: int, min_step: int) -> Restored:
         own = trainer.lineage_id or self.run_id
         if lineage_id != own:
             raise FailedPrecondition(
@@ -232,7 +260,7 @@ class Learner:
                 update={"checkpoint": settings.checkpoint.model_copy(update={"resume": True})}
             )
         try:
-            self.trainer = Trainer(settings)
+            self.trainer = ranked.build(settings, self.ranks)
         except Exception:
             log.exception("rebuilding the trainer failed: restart the learner (it resumes where this went)",
                           step=target, discarded=discarded)  # fmt: skip

@@ -2,6 +2,9 @@
 
     python -m services.learner --model PATH --port 50053 --loss.kind dapo --optim.lr 4e-4
 
+Under `torchrun --nproc-per-node N -m services.learner ...` rank 0 serves and the other ranks follow
+it (ranks.py); only rank 0 binds the port.
+
 Rollouts fetch weights from the address this learner advertises: `--publish.advertise-address`, or
 host:port as bound (the skeleton sets `bound_port` before `start()`, so `--port 0` works).
 """
@@ -9,6 +12,7 @@ host:port as bound (the skeleton sets `bound_port` before `start()`, so `--port 
 from __future__ import annotations
 
 import math
+import os
 
 import grpc
 
@@ -17,7 +21,9 @@ from services.common.serve import run_service, service_names
 from services.common.telemetry import Reading
 from services.learner.config import LearnerSettings
 from services.learner.learner import Learner
+from services.learner.ranks import run_follower
 from services.learner.servicer import LearnerServicer
+from services.learner.sharding import world_size
 from services.transports.chunk_wire import FETCH_PATH, PreEncodedResponses
 
 
@@ -70,5 +76,9 @@ class LearnerApp:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m services.learner") -> None:
+    """Rank 0 (the only rank without torchrun) serves; under torchrun the other ranks follow it."""
     settings = LearnerSettings.from_cli(argv, prog=prog)
+    if world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:
+        run_follower(settings)
+        return
     run_service("learner", lambda: LearnerApp(settings), settings)

@@ -13,6 +13,7 @@ schedule → weight version + 1.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import random
 import time
@@ -25,6 +26,7 @@ from services.common.cpus import CoreBorrower, parse_cpu_list
 from services.common.logging import get_logger
 from services.common.weights import dtype_from_name
 from services.learner import checkpoint as ckpt
+from services.learner import sharded_checkpoint, sharding
 from services.learner.batching import MicroBatch, Sample, collate, global_norm, micro_batches
 from services.learner.config import (
     ACCELERATOR_MICRO_BATCH_TOKENS,
@@ -47,6 +49,7 @@ from services.learner.model import (
     trainable_state,
     vocab_size,
 )
+from services.learner.sharding import EMPTY_SAMPLE, Ranks
 
 log = get_logger(__name__)
 
@@ -70,14 +73,24 @@ class StepOutcome:
 
 
 class Trainer:
-    """Owns the model, optimizer, LR schedule and weight version."""
+    """Owns the model, optimizer, LR schedule and weight version.
 
-    def __init__(self, settings: LearnerSettings) -> None:
+    With `ranks` (the learner under torchrun) every rank holds one: the model is sharded (sharding.py)
+    and every method is called on every rank in the same order (ranks.py sees to it): each trains its
+    share of a batch, and the metrics are those of the whole batch on every rank.
+    """
+
+    def __init__(self, settings: LearnerSettings, ranks: Ranks | None = None) -> None:
         self.settings = settings
+        self.ranks = ranks
         self.loss_cfg = settings.loss
         torch.manual_seed(settings.seed)
         random.seed(settings.seed)
         self.device = resolve_device(settings.device)
+        if ranks is not None:
+            self.device = sharding.rank_device(self.device)
+            if settings.borrow.cpus:
+                raise ValueError("borrow.cpus is for a learner of one rank (its cores are the rollouts')")
         self.compute_dtype = resolve_compute_dtype(settings.dtype, self.device)
         self.token_budget = settings.micro_batch_tokens or (
             CPU_MICRO_BATCH_TOKENS if self.device.type == "cpu" else ACCELERATOR_MICRO_BATCH_TOKENS
@@ -91,6 +104,8 @@ class Trainer:
         export_dtype = settings.publish.export_dtype
         self.export_dtype = None if export_dtype == "auto" else dtype_from_name(export_dtype)
         self.model = load_policy(settings.model, self.device, settings.lora, settings.gradient_checkpointing)
+        if ranks is not None:
+            sharding.shard(self.model, ranks, self.compute_dtype, settings.distributed)
         self.model.eval()
         self._looks = [0, 0]  # [times the lenders were looked at, times they were idle] this step
         if self.borrower:
@@ -100,6 +115,8 @@ class Trainer:
         self.ref_model = None
         if settings.loss.kl_beta > 0 and not is_lora(self.model):
             self.ref_model = load_reference(settings.model, self.device)  # LoRA: the base with adapters off
+            if ranks is not None:
+                sharding.shard(self.ref_model, ranks, self.compute_dtype, settings.distributed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = settings.optim
         self.optimizer = torch.optim.AdamW(
@@ -112,9 +129,11 @@ class Trainer:
         self.last_outcome: StepOutcome | None = None
         self._saved_step = 0  # newest step checkpointed or being written; 0 is the model as loaded
         root = settings.checkpoint.dir
-        self.lineage_id = ckpt.ensure_lineage(root) if root is not None else ""
+        leads = ranks is None or ranks.leader  # rank 0 alone owns the directory's files
+        self.lineage_id = ckpt.ensure_lineage(root) if root is not None and leads else ""
         self.writer: ckpt.CheckpointWriter | None = None
-        if root is not None:
+        self._files: sharded_checkpoint.PendingSave | None = None  # another rank's newest sharded save
+        if root is not None and leads:
             self.writer = ckpt.CheckpointWriter(root, settings.checkpoint.keep)
             ckpt.remove_stale_tmp(root)
         if settings.checkpoint.resume:
@@ -135,11 +154,15 @@ class Trainer:
         norm = global_norm(samples)
         stats = LossStats()
         loss_total, entropy_sum = 0.0, 0.0
-        mbs = micro_batches(samples, token_budget or self.token_budget)
+        budget = token_budget or self.token_budget
+        mbs = micro_batches(self._share(samples), budget)
+        real = len(mbs)
+        if self.ranks is not None:  # as many passes as the rank with the most: FSDP's collectives pair up
+            mbs += [collate([EMPTY_SAMPLE])] * (sharding.passes(samples, self.ranks.world, budget) - real)
         self._looks = [0, 0]
         self.model.train()
         try:
-            for mb in mbs:
+            for index, mb in enumerate(mbs):
                 self._borrow()
                 mb = mb.to(self.device)
                 with autocast(self.device, self.compute_dtype):
@@ -147,6 +170,9 @@ class Trainer:
                 ref_logp = self._ref_logprobs(mb) if self.loss_cfg.kl_beta > 0 else None
                 out = policy_loss(logp, mb.behav, mb.mask, mb.adv, self.loss_cfg, norm, ref_logp)
                 self._borrow()  # backward is ~2/3 of a micro-batch: look again before it
+                if index >= real:  # an empty pass: FSDP's collectives only, no gradient, no statistics
+                    (out.loss * 0.0).backward()
+                    continue
                 out.loss.backward()
                 loss_total += float(out.loss.detach())
                 entropy_sum += float((entropy * mb.mask).sum())
@@ -155,16 +181,31 @@ class Trainer:
             self.model.eval()
             if self.borrower:
                 self.borrower.give_back()
+        if self.ranks is not None:  # the whole batch's figures, on every rank
+            sums, maxima = sharding.reduce_sums(
+                self.ranks,
+                {**stats.sums, "loss": loss_total, "entropy": entropy_sum, "micro_batches": float(real)},
+                {"ratio_max": stats.ratio_max},
+            )
+            loss_total, entropy_sum = sums.pop("loss"), sums.pop("entropy")
+            real = int(sums.pop("micro_batches"))
+            stats.sums, stats.ratio_max = sums, maxima["ratio_max"]
         return {
             "loss": loss_total,
             "entropy": entropy_sum / max(norm.num_tokens, 1),
             "num_seqs": float(norm.num_seqs),
             "num_tokens": float(norm.num_tokens),
-            "micro_batches": float(len(mbs)),
+            "micro_batches": float(real),  # over every rank
             # micro-batches' worth on borrowed cores: the share of looks that found the lenders idle
-            "borrowed_micro_batches": len(mbs) * self._looks[1] / max(1, self._looks[0]),
+            "borrowed_micro_batches": real * self._looks[1] / max(1, self._looks[0]),
             **stats.finalize(),
         }
+
+    def _share(self, samples: list[Sample]) -> list[Sample]:
+        """The samples this rank trains on (all of them for a learner of one rank)."""
+        if self.ranks is None:
+            return samples
+        return sharding.share(samples, self.ranks.rank, self.ranks.world)
 
     def _borrow(self) -> None:
         """Take the lent cores for what follows if the lenders are idle now, else give them back."""
@@ -198,7 +239,7 @@ class Trainer:
         loss_metrics = self.accumulate_gradients(samples)
         clip = self.settings.optim.max_grad_norm
         max_norm = clip if clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = sharding.full_norm(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(grad_norm)
         if finite:
@@ -250,8 +291,16 @@ class Trainer:
         return logp[0].float().cpu().tolist()
 
     def export(self, snapshot: bool = True) -> dict[str, torch.Tensor]:
-        """The weights to publish (see model.export_state): a CPU snapshot, or the live tensors."""
-        return export_state(self.model, self.settings.publish.export_format, self.export_dtype, snapshot)
+        """The weights to publish (see model.export_state): a CPU snapshot, or the live tensors. Sharded:
+        a collective that gathers every tensor first (host copies, or with `snapshot=False` new device
+        tensors); rank 0 returns them, the others {}."""
+        fmt = self.settings.publish.export_format
+        if self.ranks is None:
+            return export_state(self.model, fmt, self.export_dtype, snapshot)
+        state = sharding.full_state(self.model, on_cpu=snapshot)  # gathered: new tensors either way
+        if not self.ranks.leader:
+            return {}
+        return export_state(self.model, fmt, self.export_dtype, snapshot=False, state=state)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -263,6 +312,8 @@ class Trainer:
         background write of this step, and write again if that one failed. Returns the path written
         now, or None.
         """
+        if self.ranks is not None:
+            return self._save_sharded(background)
         if self.writer is None:  # no checkpoint directory
             return None
         if not background:
@@ -287,32 +338,70 @@ class Trainer:
         self._saved_step = self.step
         return None if background else self.writer.wait()
 
+    def _save_sharded(self, background: bool) -> Path | None:
+        """`save_checkpoint` of a learner of several ranks, on every rank: each writes its shards of the
+        model and optimizer into one directory (sharded_checkpoint.py); rank 0's writer thread adds the
+        schedule, RNG and state and renames it into place once every rank's files are complete. The
+        ranks decide alike whether there is anything to save (`_saved_step`), as every rank saves."""
+        root = self.settings.checkpoint.dir
+        if root is None or self.ranks is None:
+            return None
+        # no optimizer state yet (every update so far skipped): nothing a checkpoint would add
+        if self._saved_step != self.step and self.optimizer.state:
+            tmp = ckpt.sharded_tmp(root, self.step, self.ranks.leader_pid)
+            tmp.mkdir(parents=True, exist_ok=True)
+            files = sharded_checkpoint.save_model_and_optimizer(tmp, self.model, self.optimizer)
+            self._saved_step = self.step
+            if self.writer is not None:  # rank 0
+                state = ckpt.TrainerState(
+                    self.weight_version, self.step, self.last_batch_id, self.loss_cfg.kind,
+                    self.settings.model, self.lineage_id,
+                )  # fmt: skip
+                schedule = copy.deepcopy(self.scheduler.state_dict())
+                self.writer.submit(ckpt.ShardedSnapshot(state, schedule, ckpt.rng_state(), tmp, files))
+            self._files = files
+        if background:
+            return None
+        if self.writer is not None:
+            return self.writer.wait()
+        if self._files is not None:
+            self._files.result()
+        return None
+
     def close(self) -> None:
         """Finish a checkpoint under way and stop the writer thread (the trainer is being replaced)."""
+        if self._files is not None:
+            with contextlib.suppress(Exception):  # rank 0's writer logs a failed write
+                self._files.result()
         if self.writer is not None:
             self.writer.wait_quietly()
             self.writer.close()
 
     def _resume(self) -> None:
         root = self.settings.checkpoint.dir
-        assert root is not None and self.writer is not None  # resume needs a directory (CheckpointConfig)
-        loaded = ckpt.load_latest(root)
+        assert root is not None  # resume needs a directory (CheckpointConfig)
+        loaded = ckpt.load_latest(root, tensors=self.ranks is None)
         if loaded is None:
             log.info("no checkpoint to resume from; starting fresh", dir=str(root))
             return
-        if loaded.state.lineage_id and loaded.state.lineage_id != self.lineage_id:
+        if self.lineage_id and loaded.state.lineage_id and loaded.state.lineage_id != self.lineage_id:
             raise ValueError(
                 f"checkpoint {loaded.path} is of lineage {loaded.state.lineage_id}, but {root} is of "
                 f"{self.lineage_id} ({ckpt.LINEAGE_FILE}): checkpoints of two runs are mixed"
             )
         if loaded.state.loss != self.loss_cfg.kind or loaded.state.model != self.settings.model:
             log.warning("resuming with a different loss/model", checkpoint=loaded.state.__dict__)
-        load_trainable_state(self.model, loaded.params)
-        self.optimizer.load_state_dict(loaded.optimizer)
+        if loaded.params is not None and loaded.optimizer is not None:  # one rank, checkpoint.py's format
+            load_trainable_state(self.model, loaded.params)
+            self.optimizer.load_state_dict(loaded.optimizer)
+        else:  # sharded, or written by several ranks: any number of ranks reads it
+            sharded_checkpoint.load_model_and_optimizer(loaded.path, self.model, self.optimizer)
         self.scheduler.load_state_dict(loaded.scheduler)
         ckpt.set_rng_state(loaded.rng)
         self.weight_version = loaded.state.weight_version
         self.step = loaded.state.step
         self.last_batch_id = loaded.state.last_batch_id
-        self._saved_step = self.writer.durable_step = self.step
+        self._saved_step = self.step
+        if self.writer is not None:
+            self.writer.durable_step = self.step
         log.info("resumed", path=str(loaded.path), step=self.step, weight_version=self.weight_version)

@@ -87,10 +87,13 @@ def run_killing(
     kills: list[tuple[int, str]],
     limit_s: float,
     before_kill: Callable[[str, psutil.Process], None] | None = None,
+    find: Callable[[psutil.Process, str], psutil.Process | None] = service_process,
 ) -> KilledRun:
     """Run `command` (a `grpo-mesh demo`) in a session of its own and SIGKILL each service of `kills`
     (step, name) once the run has trained that step; `before_kill(name, victim)` sees each victim
-    first. Whatever is left is killed afterwards, passed or failed; the run must end within `limit_s`."""
+    first. `find(launcher, name)` picks the victim (default: the launcher's child running the
+    service). Whatever is left is killed afterwards, passed or failed; the run must end within
+    `limit_s`."""
     log = log_path.open("w")
     launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     parent = psutil.Process(launcher.pid)
@@ -104,7 +107,7 @@ def run_killing(
             seen.update(parent.children(recursive=True))
             if pending and trained_step(run_dir) >= pending[0][0]:
                 name = pending[0][1]
-                victim = service_process(parent, name)
+                victim = find(parent, name)
                 if victim is not None:
                     if before_kill is not None:
                         before_kill(name, victim)

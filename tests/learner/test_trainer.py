@@ -200,8 +200,7 @@ def test_score_equals_direct_log_softmax(micro_model_dir):
 
 def test_batched_logprobs_use_only_completion_logits_and_match_each_row_alone(micro_model_dir, make_samples):
     # prompts of 1..9 tokens and completions of 1..7 in one right-padded micro-batch: the LM head runs
-    # from the earliest completion-predicting position on, and every row still equals its own full
-    # forward (a long prompt with a one-token completion puts its position past the kept window's start)
+    # only on the completion-predicting rows, and every row still equals its own full forward
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir, dtype=torch.float32).eval()
     samples = make_samples(12, seed=5, max_prompt=9, max_completion=7)
     samples.append(Sample((1,) * 9, (2,), (-4.0,), 1.0, 1.0))

@@ -237,7 +237,8 @@ class DistributedConfig(_Section):
         "after a quarter of it without work, so only a hung rank 0 reaches it.",
     )
     cpu_offload: bool = Field(
-        default=False, description="Keep sharded parameters, gradients and optimizer state in host memory."
+        default=False,
+        description="Keep sharded parameters, gradients and optimizer state in host memory (GPU learners).",
     )
 
 

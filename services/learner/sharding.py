@@ -108,6 +108,10 @@ def shard(model: torch.nn.Module, ranks: Ranks, compute_dtype: torch.dtype, cfg:
         mixed = MixedPrecisionPolicy()
     else:  # gathered in the compute dtype, gradients reduced in fp32; master weights stay fp32
         mixed = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if cfg.cpu_offload and ranks.mesh.device_type == "cpu":
+        raise ValueError(
+            "distributed.cpu_offload keeps a GPU learner's shards in host memory: on CPU they are"
+        )
     offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
     for block in repeated_blocks(model):
         fully_shard(block, mesh=ranks.mesh, mp_policy=mixed, offload_policy=offload)

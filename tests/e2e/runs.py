@@ -29,6 +29,21 @@ def rows(run_dir: Path) -> list[dict]:
     return found
 
 
+def versions_advance_by_one(run_dir: Path, steps: int) -> list[float]:
+    """Assert that each step row's weight version is the one before plus one (a learner rewind is
+    announced by a row of its own) up to `steps`; the step rows' times."""
+    expected, times = 1, []
+    for row in rows(run_dir):
+        if row.get("event") == "learner_rewind":
+            expected = row["weight_version"] + 1
+        elif "reward_mean" in row:
+            assert row["weight_version"] == expected, row
+            expected += 1
+            times.append(row["time"])
+    assert expected == steps + 1
+    return times
+
+
 def trained_step(run_dir: Path) -> int:
     """The newest step with a step row (0 before the first)."""
     return max((r["step"] for r in rows(run_dir) if "reward_mean" in r), default=0)

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.runs import audit, rows, run_killing
+from tests.e2e.runs import audit, run_killing, versions_advance_by_one
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -56,15 +56,7 @@ def test_a_run_survives_kill_9_of_every_service(tmp_path: Path, warm_model_dir: 
     time.sleep(1)
     assert not [p for p in seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "orphans"
 
-    # versions advance by one per step; a learner rewind is announced by its own row
-    expected = 1
-    for row in rows(run_dir):
-        if row.get("event") == "learner_rewind":
-            expected = row["weight_version"] + 1
-        elif "reward_mean" in row:
-            assert row["weight_version"] == expected, row
-            expected += 1
-    assert expected == STEPS + 1
+    versions_advance_by_one(run_dir, STEPS)  # a learner rewind is announced by its own row
 
     audit_output, counts = audit(run_dir)
     assert int(counts["steps"]) == STEPS and int(counts["batches"]) == STEPS

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.runs import audit, rows, run_killing
+from tests.e2e.runs import audit, run_killing, versions_advance_by_one
 
 pytestmark = [pytest.mark.slow]
 
@@ -59,15 +59,7 @@ def test_a_two_rank_learner_trains_and_survives_kill_9_of_a_rank(
     time.sleep(1)
     assert not [p for p in run.seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "orphans"
 
-    expected, times = 1, []
-    for row in rows(run_dir):
-        if row.get("event") == "learner_rewind":
-            expected = row["weight_version"] + 1
-        elif "reward_mean" in row:
-            assert row["weight_version"] == expected, row
-            expected += 1
-            times.append(row["time"])
-    assert expected == STEPS + 1
+    times = versions_advance_by_one(run_dir, STEPS)
     audit_output, counts = audit(run_dir)
     assert int(counts["steps"]) == STEPS and int(counts["learner_restarts"]) == 1
     stall = max(b - a for a, b in itertools.pairwise(times))

@@ -220,9 +220,21 @@ def test_nccl_layout_puts_learner_and_rollout_on_different_gpus_with_a_fixed_ren
 
 
 def test_cpu_rollout_shares_the_learners_shared_memory() -> None:
+    """Learner and rollout mount one tmpfs volume at /dev/shm, which outlives a restart of either (with
+    `ipc: service:learner`, a learner restarted by `restart:` got a fresh /dev/shm the rollout did not
+    see, and every weight sync after that failed)."""
     active = _active("cpu")
-    assert SERVICES[active["learner"]]["ipc"] == "shareable"
-    assert SERVICES[active["rollout"]]["ipc"] == f"service:{active['learner']}"
+    shm = set()
+    for role in ("learner", "rollout"):
+        service = SERVICES[active[role]]
+        assert "ipc" not in service, f"{role}: a joined IPC namespace does not survive a learner restart"
+        mounts = {m.split(":")[1]: m.split(":")[0] for m in service["volumes"]}  # target -> source
+        assert "/dev/shm" in mounts, f"{role}: no shared /dev/shm"
+        assert "/data" in mounts and "/app/configs" in mounts, f"{role}: its own volumes replace the shared ones"
+        shm.add(mounts["/dev/shm"])
+    assert len(shm) == 1, "learner and rollout must mount the same /dev/shm volume"
+    options = COMPOSE["volumes"][shm.pop()]["driver_opts"]
+    assert options["type"] == "tmpfs" and "size=" in options["o"]
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))

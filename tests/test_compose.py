@@ -230,7 +230,7 @@ def test_cpu_rollout_shares_the_learners_shared_memory() -> None:
         assert "ipc" not in service, f"{role}: a joined IPC namespace does not survive a learner restart"
         mounts = {m.split(":")[1]: m.split(":")[0] for m in service["volumes"]}  # target -> source
         assert "/dev/shm" in mounts, f"{role}: no shared /dev/shm"
-        assert "/data" in mounts and "/app/configs" in mounts, f"{role}: its own volumes replace the shared ones"
+        assert "/data" in mounts and "/app/configs" in mounts, f"{role}: its volumes replace the shared ones"
         shm.add(mounts["/dev/shm"])
     assert len(shm) == 1, "learner and rollout must mount the same /dev/shm volume"
     options = COMPOSE["volumes"][shm.pop()]["driver_opts"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -174,16 +173,10 @@ def _worker(scenario: str, out: Path, model_dir: Path) -> None:
 # ----------------------------------------------------------------------------- the test side
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun(scenario: str, out: Path, model_dir: Path) -> None:
     """Run the 2-rank worker under torchrun; on timeout kill its whole process group (its workers)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+    # --standalone: torchrun binds a free port itself (no port picked here and lost to a race)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                __file__, scenario, str(out), str(model_dir)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

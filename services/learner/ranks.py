@@ -17,9 +17,11 @@ and torchrun takes the other ranks down: the learner restarts as one, from its c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sys
 from typing import Any
 
 import torch
@@ -128,6 +130,9 @@ def _fatal(operation: str, exc: BaseException) -> None:
     """An operation failed after it was announced: the ranks are out of step for good."""
     log.error("a learner rank failed: the learner stops (torchrun takes every rank down)",
               operation=operation, rank=dist.get_rank(), error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+    for stream in (sys.stdout, sys.stderr):  # os._exit skips Python's own flushing
+        with contextlib.suppress(Exception):
+            stream.flush()
     os._exit(FAILED_EXIT)
 
 

@@ -22,7 +22,7 @@ import json
 import os
 import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -126,7 +126,7 @@ class Channel:
             dist.broadcast(tensor, src=0, group=self.ranks.control)
 
 
-def _fatal(operation: str, exc: BaseException) -> None:
+def _fatal(operation: str, exc: BaseException) -> NoReturn:
     """An operation failed after it was announced: the ranks are out of step for good."""
     log.error("a learner rank failed: the learner stops (torchrun takes every rank down)",
               operation=operation, rank=dist.get_rank(), error=f"{type(exc).__name__}: {exc}")  # fmt: skip
@@ -197,7 +197,6 @@ def build(settings: LearnerSettings, ranks: Ranks | None) -> Trainer | Leader:
         return Leader(Trainer(settings, ranks), channel)
     except Exception as exc:
         _fatal("build", exc)
-        raise  # unreachable: _fatal exits
 
 
 def run_follower(settings: LearnerSettings) -> None:

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.profile_learner import batch
+from services.common.malloc import set_mmap_threshold
 from services.learner import sharding
 from services.learner.config import DistributedConfig, LearnerSettings
 from services.learner.trainer import Trainer
@@ -65,11 +66,13 @@ def held(trainer: Trainer) -> dict[str, float]:
 
 def worker(args: argparse.Namespace) -> None:
     """One rank (or the only process): load, shard, train; write this rank's figures."""
-    ranks = sharding.join(torch.device("cpu"), DistributedConfig(timeout_s=600))
     settings = LearnerSettings(
         model=args.model, device="cpu", dtype="float32", loss={"kind": "grpo"}, optim={"lr": 1e-6},
-        lora={"rank": args.lora_rank},
+        lora={"rank": args.lora_rank}, malloc_mmap_threshold_bytes=args.mmap_threshold,
     )  # fmt: skip
+    if threshold := settings.mmap_threshold(sharding.world_size()):
+        set_mmap_threshold(threshold)  # as services/learner/server.py does, before the model is loaded
+    ranks = sharding.join(torch.device("cpu"), DistributedConfig(timeout_s=600))
     trainer = Trainer(settings, ranks)
     loaded_mb = psutil.Process().memory_info().rss / 2**20
     samples = batch(trainer.vocab_size, 4, 8, 40, 64)
@@ -89,6 +92,8 @@ def measure(args: argparse.Namespace, count: int, out: Path) -> list[dict]:
     """Run `count` ranks; their figures, by rank."""
     me = [str(Path(__file__).resolve()), "--worker", "--model", args.model, "--out", str(out)]
     me += ["--steps", str(args.steps), "--lora-rank", str(args.lora_rank)]
+    if args.mmap_threshold is not None:
+        me += ["--mmap-threshold", str(args.mmap_threshold)]
     if count == 1:
         command = [sys.executable, *me]
     else:
@@ -105,6 +110,11 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument(
+        "--mmap-threshold",
+        type=int,
+        help="the learner's malloc_mmap_threshold_bytes (0: glibc's own; default: the learner's default)",
+    )
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="split over the ranks")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

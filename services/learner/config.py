@@ -30,12 +30,16 @@ from pydantic_settings import SettingsConfigDict
 from services.common.advantages import LossKind
 from services.common.config import ServiceSettings
 from services.common.cpus import CpuList, parse_cpu_list
+from services.common.malloc import MAX_MMAP_THRESHOLD
 from services.common.weights import CHUNK_BYTES, DEFAULT_BUCKET_BYTES
 
 # Padded tokens per micro-batch when `micro_batch_tokens` is 0 (by device). On CPU, smaller micro-batches
 # keep activations in cache: a ~29M model's step over 32 samples of ~120 tokens took 9.3 s at 512 against
 # 10.7-11.9 s at 8192 (docs/performance.md). On an accelerator, bigger batches fill it.
 CPU_MICRO_BATCH_TOKENS = 512
+# The malloc mmap threshold of a learner of several ranks when `malloc_mmap_threshold_bytes` is unset:
+# FSDP's gathered layers and the activations are mapped, so what a rank frees goes back to the system.
+SHARDED_MMAP_THRESHOLD = 8 * 1024 * 1024
 ACCELERATOR_MICRO_BATCH_TOKENS = 8192
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -264,6 +268,15 @@ class LearnerSettings(ServiceSettings):
         description="Padded token budget per micro-batch (rows × longest row); 0 = by device "
         f"({CPU_MICRO_BATCH_TOKENS} on CPU, {ACCELERATOR_MICRO_BATCH_TOKENS} on an accelerator).",
     )
+    malloc_mmap_threshold_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_MMAP_THRESHOLD,
+        description="glibc's malloc: blocks of at least this many bytes get a mapping of their own, returned "
+        "to the system on free (services/common/malloc.py). 0 = glibc's own threshold, which grows with the "
+        f"blocks freed and lets the heap keep them; unset = {SHARDED_MMAP_THRESHOLD} for a learner of "
+        "several ranks (SmolLM2-135M, 2 ranks: peak 4.25 -> 3.0 GB per rank, step +4 %); one rank: glibc's.",
+    )
     strict_step: bool = Field(
         default=True,
         description="Refuse (FAILED_PRECONDITION) a batch whose `step` is not the learner's current step.",
@@ -296,3 +309,9 @@ class LearnerSettings(ServiceSettings):
         if self.borrow.cpus and parse_cpu_list(self.borrow.cpus) <= parse_cpu_list(self.cpus):
             raise ValueError(f"borrow.cpus {self.borrow.cpus} adds no core to the learner's cpus {self.cpus}")
         return self
+
+    def mmap_threshold(self, world: int) -> int:
+        """The malloc mmap threshold a learner of `world` ranks runs with (0: glibc's own)."""
+        if self.malloc_mmap_threshold_bytes is not None:
+            return self.malloc_mmap_threshold_bytes
+        return SHARDED_MMAP_THRESHOLD if world > 1 else 0

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.learner.config import LearnerSettings
+from services.learner.config import SHARDED_MMAP_THRESHOLD, LearnerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,3 +68,14 @@ def test_missing_model_is_a_one_line_cli_error():
     assert out.returncode == 2
     assert "error: --model: required: HF model id or local directory of the policy." in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_malloc_threshold_is_fixed_for_several_ranks_unless_set():
+    """Unset: glibc's own threshold for one rank, SHARDED_MMAP_THRESHOLD for several (config.py); a value
+    given on the command line (0 included: glibc's own) wins for any number of ranks."""
+    default = LearnerSettings.from_cli(["--model", "m"])
+    assert default.mmap_threshold(1) == 0
+    assert default.mmap_threshold(2) == SHARDED_MMAP_THRESHOLD == 8 << 20
+    for given in ("0", "1048576"):
+        settings = LearnerSettings.from_cli(["--model", "m", "--malloc-mmap-threshold-bytes", given])
+        assert settings.mmap_threshold(1) == settings.mmap_threshold(4) == int(given)

@@ -6,9 +6,16 @@ of a step depends on shapes, not on the values. One step warms up, then `--steps
 profiler. Printed: the step's wall time split into forward+backward (every micro-batch), gradient clip,
 optimizer step; then the profiler's top operators by self CPU time.
 
+`--trl` runs TRL's training phase on the same batch instead, as `bench/vs_trl.py` configures its
+`GRPOTrainer` (grpo loss, no KL, batch = G × prompts in one pass, AdamW, clip 1.0): its own
+`compute_loss` (logprobs and entropies of the completion tokens, the loss), backward, gradient clip and
+its optimizer step, so the two learners' steps compare on one machine, one batch, one profiler.
+
     .venv/bin/python bench/profile_learner.py --model .cache/smollm2-135m-instruct-q4_1-fp32
     .venv/bin/python bench/profile_learner.py --model .cache/tiny-model-random --steps 1     # a smoke run
     .venv/bin/python bench/profile_learner.py --model DIR --trace runs/profile.json   # for ui.perfetto.dev
+    .venv/bin/python bench/profile_learner.py --model .cache/smollm2-135m-instruct-q4_1-fp32 --trl
+    .venv/bin/python bench/profile_learner.py --model DIR --no-profiler --steps 3 --micro-batch-tokens 2048
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -57,7 +66,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="profiled steps (after one warm-up step)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace", type=Path, help="write a Chrome trace of the profiled steps here")
+    p.add_argument(
+        "--profiler",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-profiler: step times only",
+    )
+    p.add_argument("--trl", action="store_true", help="profile TRL's GRPOTrainer on the same batch instead")
     args = p.parse_args()
+    if args.trl:
+        return profile_trl(args)
 
     settings = LearnerSettings(
         model=args.model, device="cpu", dtype="float32", micro_batch_tokens=args.micro_batch_tokens,
@@ -86,18 +104,87 @@ def main() -> None:
     trainer.accumulate_gradients = timed("forward+backward", originals[0])
     torch.nn.utils.clip_grad_norm_ = timed("clip", originals[1])
     trainer.optimizer.step = timed("optimizer", originals[2])
-    started = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+    report(args, phases, lambda step: trainer.train_step(samples, f"profiled-{step}"))
+
+
+def report(args: argparse.Namespace, phases: dict[str, float], step_once) -> None:
+    """Run `step_once(step)` `--steps` times (under the profiler unless `--no-profiler`); print each
+    step's time, the mean step, its phases and the top operators."""
+    times = []
+    with (
+        profile(activities=[ProfilerActivity.CPU], record_shapes=False)
+        if args.profiler
+        else nullcontext() as prof
+    ):
         for step in range(args.steps):
-            trainer.train_step(samples, f"profiled-{step}")
-    wall = (time.perf_counter() - started) / args.steps
-    print(f"\nstep: {wall:.3f} s (profiler on)")
+            started = time.perf_counter()
+            step_once(step)
+            times.append(time.perf_counter() - started)
+    wall = sum(times) / args.steps
+    each = " ".join(f"{t:.2f}" for t in times)
+    print(f"\nstep: {wall:.3f} s (profiler {'on' if args.profiler else 'off'}; each: {each} s)")
     for name, seconds in phases.items():
         print(f"  {name:<17} {seconds / args.steps:7.3f} s  {100 * seconds / args.steps / wall:5.1f} %")
+    if prof is None:
+        return
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     if args.trace:
         prof.export_chrome_trace(str(args.trace))
         print(f"trace: {args.trace}")
+
+
+def profile_trl(args: argparse.Namespace) -> None:
+    """TRL's training phase on `batch`'s samples: `GRPOTrainer.compute_loss`, backward, clip, AdamW."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    n = args.prompts * args.group_size
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="profile-trl-"), per_device_train_batch_size=n,
+        gradient_accumulation_steps=1, num_generations=args.group_size, num_iterations=1,
+        max_completion_length=args.completion_len, beta=0.0, loss_type=args.loss, learning_rate=1e-6,
+        max_grad_norm=1.0, optim="adamw_torch", use_cpu=True, report_to="none", save_strategy="no",
+        disable_tqdm=True,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=args.model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
+        train_dataset=Dataset.from_list([{"prompt": "1+1="}] * n),
+    )  # fmt: skip
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1  # what `Trainer.train` sets before each step
+    optimizer = trainer.create_optimizer()
+    samples = batch(
+        model.config.vocab_size, args.prompts, args.group_size, args.prompt_len, args.completion_len
+    )
+    inputs = {
+        "prompt_ids": torch.tensor([s.prompt_ids for s in samples]),
+        "completion_ids": torch.tensor([s.completion_ids for s in samples]),
+        "advantages": torch.tensor([s.advantage for s in samples]),
+        "num_items_in_batch": torch.tensor(float(n * args.completion_len)),
+    }
+    inputs["prompt_mask"] = torch.ones_like(inputs["prompt_ids"])
+    inputs["completion_mask"] = torch.ones_like(inputs["completion_ids"])
+    trainable = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; TRL's GRPOTrainer, {n} samples of "
+          f"{samples[0].length} tokens; {trainable:.1f}M trainable")  # fmt: skip
+    phases = {"forward+backward": 0.0, "clip": 0.0, "optimizer": 0.0}
+
+    def step_once(_: int) -> None:
+        started = time.perf_counter()
+        trainer.compute_loss(model, inputs).backward()
+        phases["forward+backward"] += time.perf_counter() - started
+        started = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        phases["clip"] += time.perf_counter() - started
+        started = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        phases["optimizer"] += time.perf_counter() - started
+
+    step_once(-1)  # warm-up
+    phases.update(dict.fromkeys(phases, 0.0))
+    report(args, phases, step_once)
 
 
 if __name__ == "__main__":

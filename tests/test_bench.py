@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -112,3 +114,17 @@ def test_the_learner_profile_splits_a_step_into_its_phases(tiny_model_dir: Path)
     for phase in ("forward+backward", "clip", "optimizer"):
         assert phase in run.stdout, run.stdout
     assert "4 samples of 48 tokens" in run.stdout and "aten::mm" in run.stdout, run.stdout
+
+
+def test_the_learner_profile_runs_trls_training_phase_on_the_same_batch(tiny_model_dir: Path) -> None:
+    """`--trl`: the same batch through TRL's GRPOTrainer loss, backward, clip and AdamW (TRL is the
+    bench extra: skipped where it is not installed)."""
+    pytest.importorskip("trl")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "profile_learner.py"), "--model", str(tiny_model_dir), "--trl",
+         "--steps", "1", "--top", "5", "--prompts", "2", "--group-size", "2", "--completion-len", "8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert "TRL's GRPOTrainer, 4 samples of 48 tokens" in run.stdout, run.stdout
+    for phase in ("forward+backward", "clip", "optimizer"):
+        assert phase in run.stdout, run.stdout

@@ -4,15 +4,16 @@ For each count of ranks, the learner's trainer trains `--steps` steps (after one
 batch `bench/profile_learner.py` uses (the shape `bench/vs_trl.py` trains SmolLM2 on), every rank
 holding its shard of the parameters, gradients and AdamW state. Printed per count: each rank's resident
 share of the trainable parameters, of their gradients and of AdamW's state (the tensors it holds), its
-resident memory once the model is loaded and sharded, its peak over the run (ru_maxrss) and the growth
-between the two (gradients, optimizer state, activations, FSDP's gathered layers), the mean step time;
-then the ratios to the first count, measured in the same run.
+resident memory once the model is loaded and sharded, its peak until then (loading), its peak over the
+run (ru_maxrss) and the growth between the loaded and the peak figure (gradients, optimizer state,
+activations, FSDP's gathered layers), the mean step time; then the ratios to the first count, measured
+in the same run.
 
     .venv/bin/python bench/learner_ranks.py --model .cache/smollm2-135m-instruct-q4_1-fp32 --ranks 1 2
     .venv/bin/python bench/learner_ranks.py --model .cache/tiny-model-random --ranks 1 2 --steps 1   # smoke
 
 Each count runs in processes of its own (torchrun for N > 1), so their peaks are their own. A model is
-loaded whole by every rank before it is sharded: the peak includes that moment.
+loaded whole by every rank before it is sharded: the load peak is that moment.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def worker(args: argparse.Namespace) -> None:
     ranks = sharding.join(torch.device("cpu"), DistributedConfig(timeout_s=600))
     trainer = Trainer(settings, ranks)
     loaded_mb = psutil.Process().memory_info().rss / 2**20
+    load_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the most while loading
     samples = batch(trainer.vocab_size, 4, 8, 40, 64)
     trainer.train_step(samples, "warm-up")  # every rank, the same batch: each trains its share
     started = time.perf_counter()
@@ -83,7 +85,14 @@ def worker(args: argparse.Namespace) -> None:
     step_s = (time.perf_counter() - started) / args.steps
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rank = ranks.rank if ranks else 0
-    figures = {"rank": rank, "loaded_mb": loaded_mb, "peak_mb": peak_mb, "step_s": step_s, **held(trainer)}
+    figures = {
+        "rank": rank,
+        "loaded_mb": loaded_mb,
+        "load_peak_mb": load_peak_mb,
+        "peak_mb": peak_mb,
+        "step_s": step_s,
+        **held(trainer),
+    }
     (args.out / f"rank{rank}.json").write_text(json.dumps(figures))
     sharding.leave()
 
@@ -129,12 +138,12 @@ def main() -> None:
             results[count] = measure(args, count, Path(out))
     base = args.ranks[0]
     print(f"{'ranks':>5} {'rank':>4} {'params MB':>9} {'grads MB':>8} {'adam MB':>8} {'loaded MB':>10} "
-          f"{'peak MB':>8} {'growth MB':>10} {'step s':>7}")  # fmt: skip
+          f"{'load peak MB':>12} {'peak MB':>8} {'growth MB':>10} {'step s':>7}")  # fmt: skip
     for count, figures in results.items():
         for f in figures:
             growth = f["peak_mb"] - f["loaded_mb"]
             held_mb = f"{f['params_mb']:>9.0f} {f['grads_mb']:>8.0f} {f['adam_mb']:>8.0f}"
-            rss = f"{f['loaded_mb']:>10.0f} {f['peak_mb']:>8.0f} {growth:>10.0f}"
+            rss = f"{f['loaded_mb']:>10.0f} {f['load_peak_mb']:>12.0f} {f['peak_mb']:>8.0f} {growth:>10.0f}"
             print(f"{count:>5} {f['rank']:>4} {held_mb} {rss} {f['step_s']:>7.2f}")
     for count, figures in results.items():
         if count == base:

@@ -41,6 +41,7 @@ import argparse
 import bisect
 import json
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -223,7 +224,7 @@ def run_mesh(args: argparse.Namespace) -> dict:
     train = sum(r["learner/step_time_s"] for r in steady)
     gen = generation_per_step(run_dir / "trace.json", args.skip) if args.trace else float("nan")
     used = cpu.at(steady[-1]["time"]) - cpu.at(rows[args.skip - 1]["time"])
-    return {
+    result = {
         "side": "grpo-mesh",
         "steps_per_s": steps / window,
         "completions_per_s": steps * args.prompts_per_step * args.group_size / window,
@@ -241,6 +242,10 @@ def run_mesh(args: argparse.Namespace) -> dict:
         "wall_s": total,
         "run_dir": str(run_dir),
     }
+    if not args.trace:  # the run's directory holds the learner's final checkpoint (1.6 GB for SmolLM2)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        del result["run_dir"]
+    return result
 
 
 class TreeCpu:

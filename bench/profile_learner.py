@@ -88,23 +88,27 @@ def main() -> None:
           f"{samples[0].length} tokens; {trainable:.1f}M trainable")  # fmt: skip
     trainer.train_step(samples, "warm-up")
 
-    phases = {"forward+backward": 0.0, "clip": 0.0, "optimizer": 0.0}
-    originals = (trainer.accumulate_gradients, torch.nn.utils.clip_grad_norm_, trainer.optimizer.step)
-
-    def timed(name, fn):
-        def run(*a, **k):
-            started = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                phases[name] += time.perf_counter() - started
-
-        return run
-
-    trainer.accumulate_gradients = timed("forward+backward", originals[0])
-    torch.nn.utils.clip_grad_norm_ = timed("clip", originals[1])
-    trainer.optimizer.step = timed("optimizer", originals[2])
+    phases = dict.fromkeys(PHASES, 0.0)
+    trainer.accumulate_gradients = timed(phases, "forward+backward", trainer.accumulate_gradients)
+    torch.nn.utils.clip_grad_norm_ = timed(phases, "clip", torch.nn.utils.clip_grad_norm_)
+    trainer.optimizer.step = timed(phases, "optimizer", trainer.optimizer.step)
     report(args, phases, lambda step: trainer.train_step(samples, f"profiled-{step}"))
+
+
+PHASES = ("forward+backward", "clip", "optimizer")
+
+
+def timed(phases: dict[str, float], name: str, fn):
+    """`fn`, adding the seconds of each call to `phases[name]`."""
+
+    def run(*a, **k):
+        started = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            phases[name] += time.perf_counter() - started
+
+    return run
 
 
 def report(args: argparse.Namespace, phases: dict[str, float], step_once) -> None:
@@ -135,12 +139,17 @@ def report(args: argparse.Namespace, phases: dict[str, float], step_once) -> Non
 
 def profile_trl(args: argparse.Namespace) -> None:
     """TRL's training phase on `batch`'s samples: `GRPOTrainer.compute_loss`, backward, clip, AdamW."""
+    with tempfile.TemporaryDirectory(prefix="profile-trl-") as output_dir:  # TRL's (empty: no saves)
+        _profile_trl(args, output_dir)
+
+
+def _profile_trl(args: argparse.Namespace, output_dir: str) -> None:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     n = args.prompts * args.group_size
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="profile-trl-"), per_device_train_batch_size=n,
+        output_dir=output_dir, per_device_train_batch_size=n,
         gradient_accumulation_steps=1, num_generations=args.group_size, num_iterations=1,
         max_completion_length=args.completion_len, beta=0.0, loss_type=args.loss, learning_rate=1e-6,
         max_grad_norm=1.0, optim="adamw_torch", use_cpu=True, report_to="none", save_strategy="no",
@@ -168,19 +177,17 @@ def profile_trl(args: argparse.Namespace) -> None:
     trainable = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; TRL's GRPOTrainer, {n} samples of "
           f"{samples[0].length} tokens; {trainable:.1f}M trainable")  # fmt: skip
-    phases = {"forward+backward": 0.0, "clip": 0.0, "optimizer": 0.0}
+    phases = dict.fromkeys(PHASES, 0.0)
+    forward_backward = timed(
+        phases, "forward+backward", lambda: trainer.compute_loss(model, inputs).backward()
+    )
+    clip = timed(phases, "clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    optimize = timed(phases, "optimizer", lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
 
     def step_once(_: int) -> None:
-        started = time.perf_counter()
-        trainer.compute_loss(model, inputs).backward()
-        phases["forward+backward"] += time.perf_counter() - started
-        started = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        phases["clip"] += time.perf_counter() - started
-        started = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        phases["optimizer"] += time.perf_counter() - started
+        forward_backward()
+        clip()
+        optimize()
 
     step_once(-1)  # warm-up
     phases.update(dict.fromkeys(phases, 0.0))

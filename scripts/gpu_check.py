@@ -5,9 +5,12 @@
        transformers-engine rollout service, a Qwen2.5-0.5B-shaped random model built from its config
        (no downloads), `--syncs` versions of TrainStep → PrepareWeights → StageWeights → CommitWeights
        → alignment probe → ReleaseWeights: sync time per version, alignment (fp32 must be ≤ 1e-4),
-       GPU memory per process before and after all syncs (a leak shows as growth), and zero-copy
-       attach (the rollout's own memory drops by about the model's size once it adopts the learner's
-       buffer: it holds no second copy)
+       GPU memory per process after each sync (a leak shows as growth over the second half), and
+       zero-copy attach (the rollout's own memory drops by about the model's size once it adopts the
+       learner's buffer: it holds no second copy); for each learner of `--learners`: plain (one
+       process), fsdp (one FSDP2 rank under torchrun, `distributed.shard_one_rank`) and fsdp-offload
+       (the same with `distributed.cpu_offload`; fp32 only), whose losses and gradient norms are
+       compared with the plain learner's (`same_training`)
     3. the weight-transport benchmark on the GPU (`bench/weight_transport.py --device cuda`, with
        Qwen2.5-0.5B's width, depth and vocabulary): every transport against grpc_stream and its
        medium's copy (cuda_ipc against a device-to-device copy; nccl from GPU 0 to GPU 1 where there
@@ -19,7 +22,8 @@
 
 The report goes to stdout and, where $OUT is set (the device tool), to $OUT/gpu_check.json.
 
-    python scripts/gpu_check.py [--syncs 100] [--dtypes bfloat16 float32] [--e2e-steps 10]
+    python scripts/gpu_check.py [--syncs 100] [--dtypes bfloat16 float32] [--learners plain fsdp]
+                                [--no-transport-bench] [--e2e-steps 10]
     python scripts/gpu_check.py --cpu-rehearsal   # the same two-process flow on CPU, over
                                                   # shared_memory with a small model: checks the script
 """
@@ -127,40 +131,78 @@ def batch(step: int, vocab: int) -> types_pb2.TrainBatch:
     return out
 
 
+# How the learner runs: one process as usual; one FSDP2 rank under torchrun (`--nproc-per-node 1`,
+# `distributed.shard_one_rank`); the same with `distributed.cpu_offload` (shards, gradients and AdamW
+# state in host memory).
+LEARNERS = {
+    "plain": [],
+    "fsdp": ["--distributed.shard-one-rank"],
+    "fsdp-offload": ["--distributed.shard-one-rank", "--distributed.cpu-offload"],
+}
+TORCHRUN = ["torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m"]
+
+
+def process_tree(pid: int) -> set[int]:
+    """`pid` and its descendants (torchrun's agent and its worker), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = set(), [pid]
+    while todo:
+        tree.add(todo[-1])
+        todo.extend(children.get(todo.pop(), []))
+    return tree
+
+
 def cuda_ipc_check(
-    model_dir: Path, params: int, dtype: str, syncs: int, work: Path, device: str = "cuda"
-) -> dict:
+    model_dir: Path, params: int, dtype: str, syncs: int, work: Path, device: str = "cuda",
+    learner_kind: str = "plain",
+) -> dict:  # fmt: skip
     """Learner + transformers rollout as two processes on one GPU, synced over cuda_ipc `syncs` times
-    (`device="cpu"`: the rehearsal, over shared_memory)."""
+    (`device="cpu"`: the rehearsal, over shared_memory); the learner as `LEARNERS[learner_kind]`."""
     model_mib = params * (2 if dtype == "bfloat16" else 4) / 2**20
     kind = types_pb2.WEIGHT_TRANSPORT_KIND_CUDA_IPC
     if device == "cpu":
         kind = types_pb2.WEIGHT_TRANSPORT_KIND_SHARED_MEMORY
+    name = f"{learner_kind}-{dtype}"
     learner = start(
-        ["services.learner", "--model", str(model_dir), "--device", device, "--dtype", dtype,
-         "--publish.export-dtype", dtype, "--optim.lr", "1e-6"],
-        work / f"learner-{dtype}.port", work / f"learner-{dtype}.log",
+        [*(TORCHRUN if learner_kind != "plain" else []), "services.learner", "--model", str(model_dir),
+         "--device", device, "--dtype", dtype, "--publish.export-dtype", dtype, "--optim.lr", "1e-6",
+         *LEARNERS[learner_kind]],
+        work / f"learner-{name}.port", work / f"learner-{name}.log",
     )  # fmt: skip
     rollout = start(
         ["services.rollout", "--model", str(model_dir), "--engine", "transformers", "--dtype", dtype,
          "--hf.device", device, "--max-model-len", "512", "--rollout-id", "gpu-check"],
-        work / f"rollout-{dtype}.port", work / f"rollout-{dtype}.log",
+        work / f"rollout-{name}.port", work / f"rollout-{name}.log",
     )  # fmt: skip
     try:
-        learner_address = wait_port(learner, work / f"learner-{dtype}.port", work / f"learner-{dtype}.log")
-        rollout_address = wait_port(rollout, work / f"rollout-{dtype}.port", work / f"rollout-{dtype}.log")
+        learner_address = wait_port(learner, work / f"learner-{name}.port", work / f"learner-{name}.log")
+        rollout_address = wait_port(rollout, work / f"rollout-{name}.port", work / f"rollout-{name}.log")
         learner_stub = learner_pb2_grpc.LearnerServiceStub(grpc.insecure_channel(learner_address))
         rollout_stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(rollout_address))
         probe = types_pb2.TokenSequence(
             prompt_token_ids=list(range(1, 17)), completion_token_ids=list(range(20, 36)), temperature=1.0
         )
         rollout_before_attach = gpu_memory_mib().get(rollout.pid, 0)
-        times, diffs, memory_after_first, memory_after_warmup = [], [], {}, {}
-        warmup = min(2, syncs) - 1  # both of the learner's staging buffers exist after two syncs
+        times, diffs, memory_after_first, steps = [], [], {}, []
+        learner_per_sync: list[int] = []  # the learner's GPU MiB after each sync
+        rollout_per_sync: list[int] = []  # the rollout's
+        learner_pids = process_tree(learner.pid)  # under torchrun the worker holds the GPU memory
+
+        def learner_mib(usage: dict[int, int]) -> int | None:
+            held = [mib for pid, mib in usage.items() if pid in learner_pids]
+            return sum(held) if held else None
+
         for step in range(syncs):
-            learner_stub.TrainStep(
+            trained = learner_stub.TrainStep(
                 learner_pb2.TrainStepRequest(batch=batch(step, TOKENIZER_VOCAB)), timeout=600
-            )
+            ).result.metrics
+            steps.append([trained["loss"], trained["grad_norm"]])
             started = time.perf_counter()
             prepared = learner_stub.PrepareWeights(
                 learner_pb2.PrepareWeightsRequest(transport=kind),
@@ -182,13 +224,15 @@ def cuda_ipc_check(
             times.append(
                 ((t_prepare - started) * 1e3, (t_stage - t_prepare) * 1e3, (t_commit - t_stage) * 1e3)
             )
+            usage = gpu_memory_mib()
+            learner_per_sync.append(learner_mib(usage) or 0)
+            rollout_per_sync.append(usage.get(rollout.pid, 0))
             if step == 0:
-                memory_after_first = gpu_memory_mib()
-            if step == warmup:
-                memory_after_warmup = gpu_memory_mib()
+                memory_after_first = usage
         memory_after_all = gpu_memory_mib()
         totals = [sum(t) for t in times]
         result = {
+            "learner": learner_kind,
             "dtype": dtype,
             "syncs": syncs,
             "model_mib": round(model_mib, 1),
@@ -199,18 +243,20 @@ def cuda_ipc_check(
             "commit_ms_median": round(statistics.median(t[2] for t in times), 2),
             "logprob_abs_diff_max": max(diffs),
             "alignment_ok": dtype != "float32" or max(diffs) <= 1e-4,
-            "learner_mib_after_first_sync": memory_after_first.get(learner.pid),
-            "learner_mib_after_all_syncs": memory_after_all.get(learner.pid),
+            "learner_mib_after_first_sync": learner_mib(memory_after_first),
+            "learner_mib_after_all_syncs": learner_mib(memory_after_all),
+            "loss_grad_norm_per_step": steps,
+            "learner_mib_per_sync": learner_per_sync,
+            "rollout_mib_per_sync": rollout_per_sync,
             "rollout_mib_before_attach": rollout_before_attach,
             "rollout_mib_after_first_sync": memory_after_first.get(rollout.pid),
             "rollout_mib_after_all_syncs": memory_after_all.get(rollout.pid),
         }
-        # the learner's second staging buffer appears at the second sync (double buffering): growth
-        # counts from there; a leak grows with every sync
-        growth = [
-            (memory_after_all.get(p, 0) - memory_after_warmup.get(p, 0)) for p in (learner.pid, rollout.pid)
-        ]
-        result["memory_growth_after_warmup_mib"] = growth
+        # the learner's second staging buffer appears at the second sync (double buffering) and the
+        # caching allocators settle within the first few syncs (a sharded bf16 learner at the third:
+        # H200, 2026-11-27): growth counts over the second half; a leak grows with every sync
+        growth = [per_sync[-1] - per_sync[syncs // 2] for per_sync in (learner_per_sync, rollout_per_sync)]
+        result["memory_growth_second_half_mib"] = growth
         result["no_leak"] = all(g <= 64 for g in growth)
         # a rollout that kept its own copy would not shrink; adopting the learner's buffer frees the
         # model's memory in the rollout (less what its allocator keeps cached for activations)
@@ -239,14 +285,41 @@ def end_to_end(steps: int) -> dict:
     return {"exit_code": run.returncode, "table": lines[-6:] if run.returncode == 0 else run.stderr[-3000:]}
 
 
-def rehearse() -> int:
+def rehearse(learners: list[str]) -> int:
     """The two-process flow on CPU: everything but CUDA (GPU memory reads as 0 without nvidia-smi)."""
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         params = build_model(work / "model", REHEARSAL_SHAPE)
-        result = cuda_ipc_check(work / "model", params, "float32", 3, work, device="cpu")
-    print(json.dumps(result, indent=2))
-    return 0 if result["alignment_ok"] else 1
+        for learner in learners:
+            results.append(cuda_ipc_check(work / "model", params, "float32", 3, work, "cpu", learner))
+    report = {"cuda_ipc": results, "same_training": same_training(results)}
+    print(json.dumps(report, indent=2))
+    return 0 if all(r["alignment_ok"] for r in results) else 1
+
+
+def same_training(results: list[dict]) -> dict:
+    """Per dtype, the largest difference of any step's loss and gradient norm between each sharded
+    learner and the plain one (the same batches from the same weights: equal up to rounding)."""
+    plain = {r["dtype"]: r for r in results if r.get("learner") == "plain" and "error" not in r}
+    out = {}
+    for r in results:
+        base = plain.get(r.get("dtype"))
+        if r.get("learner") in (None, "plain") or "error" in r or base is None:
+            continue
+        pairs = zip(base["loss_grad_norm_per_step"], r["loss_grad_norm_per_step"], strict=True)
+        diffs = [(abs(a[0] - b[0]), abs(a[1] - b[1])) for a, b in pairs]
+        out[f"{r['learner']}-{r['dtype']}"] = {
+            "loss_abs_diff_max": max(d[0] for d in diffs),
+            "grad_norm_abs_diff_max": max(d[1] for d in diffs),
+        }
+    return out
+
+
+def write(report: dict) -> None:
+    """The report so far into $OUT (the device tool brings it back even if a later section hangs)."""
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(report, indent=2))
 
 
 def main() -> int:
@@ -255,6 +328,16 @@ def main() -> int:
     )
     parser.add_argument("--syncs", type=int, default=100)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument(
+        "--learners", nargs="+", choices=list(LEARNERS), default=list(LEARNERS),
+        help="How the learner runs in the cuda_ipc check (fsdp-offload: fp32 only).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--transport-bench",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Run the weight-transport benchmark (section 3).",
+    )
     parser.add_argument(
         "--e2e-steps", type=int, default=10, help="Steps per side of the end-to-end benchmark (0: skip it)."
     )
@@ -265,7 +348,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.cpu_rehearsal:
-        return rehearse()
+        return rehearse([kind for kind in args.learners if kind != "fsdp-offload"])  # offload: GPU only
     report: dict = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -283,34 +366,48 @@ def main() -> int:
     report["gpu_tests"] = {"exit_code": tests.returncode, "summary": tests.stdout.strip().splitlines()[-1:]}
     if tests.returncode:
         report["gpu_tests"]["output"] = (tests.stdout + tests.stderr)[-6000:]
+    write(report)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         params = build_model(work / "model")
         report["model_params_m"] = round(params / 1e6, 1)
         report["cuda_ipc"] = []
-        for dtype in args.dtypes:
-            try:
-                report["cuda_ipc"].append(cuda_ipc_check(work / "model", params, dtype, args.syncs, work))
-            except Exception as exc:  # one failing section must not hide the others
-                report["cuda_ipc"].append({"dtype": dtype, "error": f"{type(exc).__name__}: {exc}"[:4000]})
-    bench = subprocess.run(
-        [sys.executable, "bench/weight_transport.py", "--device", "cuda", "--repeats", "3",
-         "--hidden", str(QWEN2_5_0_5B["hidden_size"]), "--layers", str(QWEN2_5_0_5B["num_hidden_layers"]),
-         "--vocab", str(QWEN2_5_0_5B["vocab_size"])],
-        cwd=ROOT, capture_output=True, text=True, check=False, timeout=900, env=child_env(),
-    )  # fmt: skip
-    lines = bench.stdout.strip().splitlines()
-    start_at = next((i for i, line in enumerate(lines) if line.startswith("model:")), len(lines))
-    report["benchmark"] = {"exit_code": bench.returncode, "table": lines[start_at:] or bench.stderr[-2000:]}
+        for learner in args.learners:
+            for dtype in args.dtypes:
+                if learner == "fsdp-offload" and dtype != "float32":
+                    continue
+                try:
+                    check = cuda_ipc_check(work / "model", params, dtype, args.syncs, work, "cuda", learner)
+                except Exception as exc:  # one failing section must not hide the others
+                    check = {
+                        "learner": learner,
+                        "dtype": dtype,
+                        "error": f"{type(exc).__name__}: {exc}"[:4000],
+                    }
+                report["cuda_ipc"].append(check)
+                report["same_training"] = same_training(report["cuda_ipc"])
+                write(report)
+    if args.transport_bench:
+        bench = subprocess.run(
+            [sys.executable, "bench/weight_transport.py", "--device", "cuda", "--repeats", "3",
+             "--hidden", str(QWEN2_5_0_5B["hidden_size"]), "--layers", str(QWEN2_5_0_5B["num_hidden_layers"]),
+             "--vocab", str(QWEN2_5_0_5B["vocab_size"])],
+            cwd=ROOT, capture_output=True, text=True, check=False, timeout=900, env=child_env(),
+        )  # fmt: skip
+        lines = bench.stdout.strip().splitlines()
+        start_at = next((i for i, line in enumerate(lines) if line.startswith("model:")), len(lines))
+        report["benchmark"] = {
+            "exit_code": bench.returncode,
+            "table": lines[start_at:] or bench.stderr[-2000:],
+        }
+    write(report)
     if args.e2e_steps:
         report["e2e_vs_trl"] = end_to_end(args.e2e_steps)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_check.json").write_text(text)
+    print(json.dumps(report, indent=2))
+    write(report)
     ok = (
         report["gpu_tests"]["exit_code"] == 0
-        and report["benchmark"]["exit_code"] == 0
+        and report.get("benchmark", {"exit_code": 0})["exit_code"] == 0
         and report.get("e2e_vs_trl", {"exit_code": 0})["exit_code"] == 0
         and all(
             r.get("alignment_ok") and r.get("no_leak") and r.get("zero_copy_attach")

@@ -226,7 +226,7 @@ class CheckpointConfig(_Section):
 
 
 class DistributedConfig(_Section):
-    """The learner as N ranks under torchrun (sharding.py): read only when WORLD_SIZE > 1."""
+    """The learner as N ranks under torchrun (sharding.py): read when WORLD_SIZE > 1 or `shard_one_rank`."""
 
     timeout_s: float = Field(
         default=120.0,
@@ -244,6 +244,12 @@ class DistributedConfig(_Section):
     cpu_offload: bool = Field(
         default=False,
         description="Keep sharded parameters, gradients and optimizer state in host memory (GPU learners).",
+    )
+    shard_one_rank: bool = Field(
+        default=False,
+        description="Shard with FSDP2 also as the only rank (WORLD_SIZE 1, with or without torchrun): "
+        "with cpu_offload, a GPU learner keeps parameters, gradients and AdamW state in host memory; "
+        "otherwise it runs the sharded path (gathered exports, sharded checkpoints) on one device.",
     )
 
 

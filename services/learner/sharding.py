@@ -4,7 +4,8 @@
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT) starts N copies of the learner. Each loads the model and
 shards it with FSDP2 (`fully_shard` on each decoder layer, then on the root), so parameters, gradients
 and AdamW state are split N ways. Rank 0 serves the gRPC API and hands every model operation to the
-others (`ranks.py`); each rank trains its share of a batch's samples.
+others (`ranks.py`); each rank trains its share of a batch's samples. `distributed.shard_one_rank`
+shards a learner that is the only rank too (a process group of one: CPU offload on one GPU).
 
 Same numbers as one rank: the loss of every objective is normalised by the counts of the *whole* batch
 (`losses.Norm`), so the sum over ranks of their gradients is the one-rank gradient. FSDP's
@@ -76,18 +77,24 @@ def rank_device(device: torch.device) -> torch.device:
 
 
 def join(device: torch.device, cfg: DistributedConfig) -> Ranks | None:
-    """Join the process group torchrun describes (None when this is the only rank)."""
+    """Join the process group torchrun describes (None when this is the only rank, unless
+    `cfg.shard_one_rank`: then a group of one, torchrun's or, without torchrun, this process's own)."""
     world = world_size()
-    if world <= 1:
+    if world <= 1 and not cfg.shard_one_rank:
         return None
     device = rank_device(device)
-    die_with_parent(os.getppid())  # torchrun's agent: a rank never outlives it (its workers get sessions
-    # of their own, so a signal to the agent's process group would miss them)
+    launched = world > 1 or "TORCHELASTIC_RUN_ID" in os.environ  # by torchrun (or another launcher)
+    if launched:  # torchrun's agent: a rank never outlives it (its workers get sessions of their own,
+        die_with_parent(os.getppid())  # so a signal to the agent's process group would miss them)
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+        timeout = timedelta(seconds=cfg.timeout_s)
+        if launched:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # one rank, no rendezvous: a store inside this process
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.idle_timeout_s))
     mesh = init_device_mesh(device.type, (world,))
     leader_pid = torch.tensor([os.getpid()], dtype=torch.int64)

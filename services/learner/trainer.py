@@ -292,15 +292,16 @@ class Trainer:
 
     def export(self, snapshot: bool = True) -> dict[str, torch.Tensor]:
         """The weights to publish (see model.export_state): a CPU snapshot, or the live tensors. Sharded:
-        a collective that gathers every tensor first (host copies, or with `snapshot=False` new device
+        a collective that gathers every tensor first (host copies, or with `snapshot=False` device
         tensors); rank 0 returns them, the others {}."""
         fmt = self.settings.publish.export_format
         if self.ranks is None:
             return export_state(self.model, fmt, self.export_dtype, snapshot)
-        state = sharding.full_state(self.model, on_cpu=snapshot)  # gathered: new tensors either way
-        if not self.ranks.leader:
+        state = sharding.full_state(self.model, on_cpu=snapshot)  # gathered: new tensors, but a rank
+        if not self.ranks.leader:  # alone holds whole shards, which it returns as they are: the live ones
             return {}
-        return export_state(self.model, fmt, self.export_dtype, snapshot=False, state=state)
+        copy = snapshot and self.ranks.world == 1
+        return export_state(self.model, fmt, self.export_dtype, snapshot=copy, state=state)
 
     # ------------------------------------------------------------------ checkpoints
 

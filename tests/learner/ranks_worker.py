@@ -6,6 +6,8 @@ the two steps' loss and gradient norm and the exported (gathered) weights to `<o
 and `<out>/<case>.json`. The RESUMED cases also checkpoint after their first step (in the background,
 as the learner does), into `<out>/checkpoints/<case>`.
 
+`--shard-one-rank`: alone, but sharded with FSDP2 all the same (a process group of one).
+
 `--resume-from DIR`: only the RESUMED cases, each resumed from `DIR/checkpoints/<case>` (written at
 another number of ranks), then its second step: `<out>/<case>-resumed.{json,safetensors}`.
 """
@@ -55,15 +57,21 @@ def batch(seed: int) -> list[Sample]:
     return samples
 
 
-def settings(model: str, loss: str, lora: int, checkpoints: Path | None = None, resume: bool = False):
+def settings(
+    model: str, loss: str, lora: int, checkpoints: Path | None = None, resume: bool = False, one: bool = False
+):
     adapters = LoraConfig(rank=lora, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj"))
     return LearnerSettings(
         model=model, device="cpu", micro_batch_tokens=48,
         loss=LossConfig(kind=loss), optim=OptimConfig(lr=1e-4),
         lora=adapters if lora else LoraConfig(),
         checkpoint=CheckpointConfig(dir=checkpoints, resume=resume),
-        distributed=DistributedConfig(timeout_s=60, idle_timeout_s=60),
+        distributed=distributed(one),
     )  # fmt: skip
+
+
+def distributed(shard_one_rank: bool) -> DistributedConfig:
+    return DistributedConfig(timeout_s=60, idle_timeout_s=60, shard_one_rank=shard_one_rank)
 
 
 def main() -> None:
@@ -71,19 +79,19 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--resume-from", type=Path)
+    parser.add_argument("--shard-one-rank", action="store_true", help="FSDP2 also when alone")
     args = parser.parse_args()
     resuming = args.resume_from is not None
     cases = []
     for loss, lora in RESUMED if resuming else CASES:
         name = f"{loss}-lora{lora}"
         if resuming:
-            config = settings(args.model, loss, lora, args.resume_from / "checkpoints" / name, resume=True)
+            checkpoints, resume = args.resume_from / "checkpoints" / name, True
         else:
-            config = settings(
-                args.model, loss, lora, args.out / "checkpoints" / name if (loss, lora) in RESUMED else None
-            )
+            checkpoints, resume = args.out / "checkpoints" / name if (loss, lora) in RESUMED else None, False
+        config = settings(args.model, loss, lora, checkpoints, resume, args.shard_one_rank)
         cases.append((name, config))
-    ranks = sharding.join(torch.device("cpu"), DistributedConfig(timeout_s=60, idle_timeout_s=60))
+    ranks = sharding.join(torch.device("cpu"), distributed(args.shard_one_rank))
     if ranks is not None and not ranks.leader:
         for _, config in cases:  # one `follow` per case: rank 0 says stop after each
             ranked.follow(config, ranks)

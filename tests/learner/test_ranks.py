@@ -4,7 +4,8 @@
 fine-tune and with LoRA, once alone and once as two ranks under torchrun (rank 0 announcing every
 operation, rank 1 following: ranks.py). The batches are split unevenly between the ranks and into
 micro-batches of different counts (rank 1 runs an empty pass), one sample has an environment span.
-Loss, gradient norm and every exported weight must agree within 1e-6.
+Loss, gradient norm and every exported weight must agree within 1e-6. So must one rank sharded with
+FSDP2 (`distributed.shard_one_rank`: a process group of one, no torchrun) and one rank unsharded.
 
 Checkpoints move between numbers of ranks: a checkpoint written after the first step at one rank
 (checkpoint.py's files) resumes at two, one written at two (torch.distributed.checkpoint's sharded
@@ -38,8 +39,9 @@ def _name(loss: str, lora: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(micro_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def runs(micro_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     one, two = tmp_path_factory.mktemp("one-rank"), tmp_path_factory.mktemp("two-ranks")
+    sharded = tmp_path_factory.mktemp("one-sharded-rank")
     alone = [sys.executable, str(WORKER), "--model", str(micro_model_dir)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
     ranked = [*torchrun, str(WORKER), "--model", str(micro_model_dir)]
@@ -49,7 +51,8 @@ def runs(micro_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     _run([*ranked, "--out", str(two)], two, *trained)
     _run([*alone, "--out", str(one), "--resume-from", str(two)], one, *resumed)  # 2 ranks → 1
     _run([*ranked, "--out", str(two), "--resume-from", str(one)], two, *resumed)  # 1 rank → 2
-    return one, two
+    _run([*alone, "--out", str(sharded), "--shard-one-rank"], sharded, *trained)
+    return one, two, sharded
 
 
 def _same(steps_a: dict, steps_b: dict, weights_a: Path, weights_b: Path) -> None:
@@ -65,8 +68,8 @@ def _same(steps_a: dict, steps_b: dict, weights_a: Path, weights_b: Path) -> Non
 
 
 @pytest.mark.parametrize(("loss", "lora"), CASES)
-def test_two_ranks_train_as_one(runs: tuple[Path, Path], loss: str, lora: int) -> None:
-    one, two = runs
+def test_two_ranks_train_as_one(runs: tuple[Path, Path, Path], loss: str, lora: int) -> None:
+    one, two, _ = runs
     name = _name(loss, lora)
     steps_one, steps_two = (json.loads((run / f"{name}.json").read_text()) for run in (one, two))
     assert len(steps_one) == len(steps_two) == 2
@@ -78,9 +81,9 @@ def test_two_ranks_train_as_one(runs: tuple[Path, Path], loss: str, lora: int) -
 @pytest.mark.parametrize(("loss", "lora"), RESUMED)
 @pytest.mark.parametrize("direction", ["2 ranks → 1", "1 rank → 2"])
 def test_a_checkpoint_resumes_at_another_number_of_ranks(
-    runs: tuple[Path, Path], loss: str, lora: int, direction: str
+    runs: tuple[Path, Path, Path], loss: str, lora: int, direction: str
 ) -> None:
-    one, two = runs
+    one, two, _ = runs
     written, resumed = (two, one) if direction == "2 ranks → 1" else (one, two)
     name = _name(loss, lora)
     assert (written / "checkpoints" / name / "step_00000001" / "state.json").exists()
@@ -91,3 +94,15 @@ def test_a_checkpoint_resumes_at_another_number_of_ranks(
     _same(
         uninterrupted, after_resume, written / f"{name}.safetensors", resumed / f"{name}-resumed.safetensors"
     )
+
+
+@pytest.mark.parametrize(("loss", "lora"), CASES)
+def test_one_sharded_rank_trains_as_one_unsharded(
+    runs: tuple[Path, Path, Path], loss: str, lora: int
+) -> None:
+    one, _, sharded = runs
+    name = _name(loss, lora)
+    steps_one, steps_sharded = (json.loads((run / f"{name}.json").read_text()) for run in (one, sharded))
+    assert [s["micro_batches"] for s in steps_one] == [s["micro_batches"] for s in steps_sharded]
+    for a, b in zip(steps_one, steps_sharded, strict=True):
+        _same(a, b, one / f"{name}.safetensors", sharded / f"{name}.safetensors")

@@ -72,6 +72,8 @@ class LearnerState:
     last_batch_id: str
     lineage_id: str
     instance_id: str
+    ranks: int
+    sharded: bool
 
 
 def _resolve(future: asyncio.Future, value: object) -> None:
@@ -364,4 +366,6 @@ class Learner:
             last_batch_id=trainer.last_batch_id,
             lineage_id=trainer.lineage_id or self.run_id,
             instance_id=self.run_id,
+            ranks=self.ranks.world if self.ranks else 1,
+            sharded=self.ranks is not None,
         )

@@ -139,6 +139,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             last_batch_id=s.last_batch_id,
             lineage_id=s.lineage_id,
             instance_id=s.instance_id,
+            ranks=s.ranks,
+            sharded=s.sharded,
         )
 
     async def RestoreCheckpoint(self, request, context) -> learner_pb2.RestoreCheckpointResponse:

@@ -88,6 +88,7 @@ async def test_train_step_advances_the_weight_version(learner, model_dir):
     stub, _ = learner
     state = await stub.GetLearnerState(learner_pb2.GetLearnerStateRequest(), timeout=TIMEOUT)
     assert (state.weight_version, state.step, state.loss) == (0, 0, "grpo")
+    assert (state.ranks, state.sharded) == (1, False)
     response = await stub.TrainStep(
         learner_pb2.TrainStepRequest(batch=make_batch(vocab_of(model_dir))), timeout=TIMEOUT
     )

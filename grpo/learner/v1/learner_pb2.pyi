@@ -104,7 +104,7 @@ class GetLearnerStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLearnerStateResponse(_message.Message):
-    __slots__ = ("weight_version", "step", "model", "loss", "prepared_versions", "device", "dtype", "last_batch_id", "lineage_id", "instance_id")
+    __slots__ = ("weight_version", "step", "model", "loss", "prepared_versions", "device", "dtype", "last_batch_id", "lineage_id", "instance_id", "ranks", "sharded")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,8 @@ class GetLearnerStateResponse(_message.Message):
     LAST_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SHARDED_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     step: int
     model: str
@@ -125,7 +127,9 @@ class GetLearnerStateResponse(_message.Message):
     last_batch_id: str
     lineage_id: str
     instance_id: str
-    def __init__(self, weight_version: _Optional[int] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., loss: _Optional[str] = ..., prepared_versions: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., last_batch_id: _Optional[str] = ..., lineage_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    ranks: int
+    sharded: bool
+    def __init__(self, weight_version: _Optional[int] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., loss: _Optional[str] = ..., prepared_versions: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., last_batch_id: _Optional[str] = ..., lineage_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., ranks: _Optional[int] = ..., sharded: _Optional[bool] = ...) -> None: ...
 
 class RestoreCheckpointRequest(_message.Message):
     __slots__ = ("lineage_id", "max_step", "min_step")

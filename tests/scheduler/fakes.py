@@ -182,7 +182,9 @@ class FakeLearner:
         self.receivers.append(tuple(receivers))
         self.holders.append(None if holders is None else tuple(holders))
         self.prepared.add(self.version)
-        message = types_pb2.WeightVersion(version=self.version, parent_version=self.version - 1)
+        message = types_pb2.WeightVersion(
+            version=self.version, parent_version=self.version - 1, total_bytes=1000 + self.version
+        )
         message.shared_memory.segment_name = f"fake_v{self.version}"
         return PreparedWeights(self.version, message, 0.1)
 

@@ -50,14 +50,18 @@ class SyncResult:
     stage_ms: float
     commit_ms: float
     total_ms: float
+    version_bytes: int = 0  # the version's payload (WeightVersion.total_bytes)
+    moved_bytes: int = 0  # what the rollouts that staged it received: the payload once per rollout
 
     def record(self) -> dict[str, float]:
-        """The sync's phases as a step row's `sync_*` fields."""
+        """The sync's phases and bytes as a step row's `sync_*` fields."""
         return {
             "sync_ms": self.total_ms,
             "sync_prepare_ms": self.prepare_ms,
             "sync_stage_ms": self.stage_ms,
             "sync_commit_ms": self.commit_ms,
+            "sync_bytes": self.moved_bytes,
+            "sync_version_bytes": self.version_bytes,
         }
 
     @classmethod
@@ -150,6 +154,8 @@ class WeightSyncer:
             stage_ms=(after_stage - pending.prepared_at) * 1e3,
             commit_ms=(done - after_stage) * 1e3,
             total_ms=(done - pending.started) * 1e3,
+            version_bytes=prepared.message.total_bytes,
+            moved_bytes=prepared.message.total_bytes * len(staged),
         )
 
     async def _phase(

@@ -39,6 +39,8 @@ async def test_every_target_stages_then_commits_and_the_version_is_released() ->
     assert learner.released == [3] and not learner.prepared
     assert result.total_ms >= result.prepare_ms + result.stage_ms
     assert not any(h.syncing for h in pool.handles())
+    row = result.record()  # the step row's bytes: the version's payload, once per rollout that staged it
+    assert (row["sync_version_bytes"], row["sync_bytes"]) == (1003, 2 * 1003)
 
 
 @pytest.mark.parametrize(
@@ -57,6 +59,7 @@ async def test_a_failing_rollout_is_dropped_from_the_sync_and_the_others_move_on
     learner.version = 1
     result = await syncer.sync(pool.handles())
     assert result.synced == ["good"] and good.commits == [1] and not bad.commits
+    assert result.moved_bytes == result.version_bytes == 1001  # a rollout that failed to stage is not counted
     assert bad.aborts == ([1] if reachable else [])  # an unreachable rollout is not asked to abort
     handles = {h.address: h for h in pool.handles()}
     assert handles["good"].healthy and not handles["good"].needs_sync

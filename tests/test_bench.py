@@ -128,3 +128,20 @@ def test_the_learner_profile_runs_trls_training_phase_on_the_same_batch(tiny_mod
     assert "TRL's GRPOTrainer, 4 samples of 48 tokens" in run.stdout, run.stdout
     for phase in ("forward+backward", "clip", "optimizer"):
         assert phase in run.stdout, run.stdout
+
+
+def test_the_delta_bench_reconstructs_every_version_bit_for_bit(tiny_model_dir: Path) -> None:
+    """bench/weight_delta.py on the tiny model: two real optimizer steps, each version's buckets sent as
+    deltas against the previous one and checked against the new checksums (the run fails otherwise);
+    at the learner's default lr only a small share of the bf16 words change."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "weight_delta.py"), "--model", str(tiny_model_dir),
+         "--steps", "2", "--prompts", "2", "--group-size", "2", "--completion-len", "8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert len(rows) == 2, run.stdout
+    for row in rows:
+        whole, delta = float(row[1]), float(row[2])
+        assert 0 < delta < whole, run.stdout
+    assert "reconstructed bit for bit" in run.stdout

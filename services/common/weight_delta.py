@@ -1,0 +1,117 @@
+"""Sparse deltas of a packed weight bucket: only the words whose bytes changed since a base version.
+
+A bucket is a byte range of the packed layout (`weights.py`). Against the same bucket of a base
+version, its delta lists the changed `word`-byte words (the rollout dtype's element size: 2 for
+bf16/fp16) in the smaller of two encodings, or the whole bucket when neither is smaller:
+
+    INDICES  uint32 little-endian word indices [n], then the n new words        n · (4 + word) bytes
+    BITMAP   one bit per word, little-endian bit order [ceil(words / 8)],       words / 8 + n · word
+             then the new words of the set bits, in order
+    FULL     the bucket's new bytes                                              words · word
+
+`apply` rewrites a copy of the base in place. What it produces is only trusted once it matches the
+bucket's checksum in the new version's manifest (the caller checks, as for any received bucket), so
+a delta applied to the wrong base is refused rather than loaded.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.common.errors import DataLoss, InvalidArgument
+
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_INDEX = np.dtype("<u4")
+
+
+class Encoding(enum.IntEnum):
+    FULL = 0
+    INDICES = 1
+    BITMAP = 2
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One bucket's change: how it is encoded, and the payload (see the module docstring)."""
+
+    encoding: Encoding
+    payload: bytes | memoryview
+    changed: int  # words that differ from the base (all of them for FULL)
+
+
+def _words(buffer: bytes | bytearray | memoryview, word: int) -> np.ndarray:
+    if word not in _WORDS:
+        raise InvalidArgument(f"delta word size must be one of {sorted(_WORDS)}, got {word}")
+    if len(buffer) % word:
+        raise InvalidArgument(f"a bucket of {len(buffer)} bytes is not a whole number of {word}-byte words")
+    return np.frombuffer(buffer, dtype=np.dtype(_WORDS[word]).newbyteorder("<"))
+
+
+def sizes(words: int, changed: int, word: int) -> dict[Encoding, int]:
+    """Payload bytes of each encoding for a bucket of `words` words of which `changed` differ."""
+    return {
+        Encoding.FULL: words * word,
+        Encoding.INDICES: changed * (_INDEX.itemsize + word),
+        Encoding.BITMAP: (words + 7) // 8 + changed * word,
+    }
+
+
+def encode(base: bytes | bytearray | memoryview, new: bytes | bytearray | memoryview, word: int) -> Delta:
+    """The smallest encoding of `new` against `base` (same length), comparing `word`-byte words."""
+    if len(base) != len(new):
+        raise InvalidArgument(f"a delta needs buckets of one size: base {len(base)}, new {len(new)} bytes")
+    old_words, new_words = _words(base, word), _words(new, word)
+    mask = old_words != new_words  # [words]
+    changed = int(np.count_nonzero(mask))
+    cost = sizes(len(new_words), changed, word)
+    best = min(cost, key=lambda e: (cost[e], e))  # ties: FULL first (nothing to decode)
+    if best is Encoding.FULL:
+        return Delta(Encoding.FULL, memoryview(new).cast("B"), len(new_words))
+    values = new_words[mask].tobytes()  # [changed] words, in index order
+    if best is Encoding.INDICES:
+        indices = np.flatnonzero(mask).astype(_INDEX)  # [changed]
+        return Delta(Encoding.INDICES, indices.tobytes() + values, changed)
+    bitmap = np.packbits(mask, bitorder="little").tobytes()  # [ceil(words / 8)]
+    return Delta(Encoding.BITMAP, bitmap + values, changed)
+
+
+def apply(target: bytearray | memoryview, delta: Delta, word: int) -> int:
+    """Turn `target` (a writable copy of the base bucket) into the new bucket; returns words written.
+    A payload whose size does not fit its encoding and the bucket is DataLoss (nothing is written)."""
+    view = memoryview(target).cast("B")
+    out = _words(view, word)  # writable: a view of `target`
+    words = out
+    payload = memoryview(delta.payload).cast("B")
+    if delta.encoding is Encoding.FULL:
+        if len(payload) != len(view):
+            raise DataLoss(f"a full bucket delta carries {len(payload)} bytes, the bucket has {len(view)}")
+        view[:] = payload
+        return len(words)
+    if delta.encoding is Encoding.INDICES:
+        per = _INDEX.itemsize + word
+        if len(payload) % per:
+            raise DataLoss(f"an index delta of {len(payload)} bytes is not whole (index, word) pairs")
+        n = len(payload) // per
+        indices = np.frombuffer(payload[: n * _INDEX.itemsize], dtype=_INDEX)  # [n]
+        values = np.frombuffer(payload[n * _INDEX.itemsize :], dtype=words.dtype)  # [n]
+        if n and int(indices.max()) >= len(words):
+            raise DataLoss(f"an index delta names word {int(indices.max())} of a {len(words)}-word bucket")
+        out[indices] = values
+        return n
+    if delta.encoding is Encoding.BITMAP:
+        bitmap_bytes = (len(words) + 7) // 8
+        if len(payload) < bitmap_bytes:
+            raise DataLoss(f"a bitmap delta of {len(payload)} bytes is shorter than its {bitmap_bytes}-byte map")
+        mask = np.unpackbits(
+            np.frombuffer(payload[:bitmap_bytes], dtype=np.uint8), count=len(words), bitorder="little"
+        ).astype(bool)  # [words]
+        values = payload[bitmap_bytes:]
+        n = int(np.count_nonzero(mask))
+        if len(values) != n * word:
+            raise DataLoss(f"a bitmap delta marks {n} words but carries {len(values)} bytes of values")
+        out[mask] = np.frombuffer(values, dtype=words.dtype)
+        return n
+    raise InvalidArgument(f"unknown delta encoding {delta.encoding!r}")

@@ -50,11 +50,11 @@ def delta_version(
         lo, hi = bucket.offset, bucket.offset + bucket.nbytes
         started = time.perf_counter()
         delta = encode(memoryview(base)[lo:hi], memoryview(new)[lo:hi], word)
-        encoded = time.perf_counter()
+        encode_s += time.perf_counter() - started
         target = bytearray(memoryview(base)[lo:hi])  # the receiver's copy of the base bucket
+        started = time.perf_counter()
         apply(target, delta, word)
-        apply_s += time.perf_counter() - encoded
-        encode_s += encoded - started
+        apply_s += time.perf_counter() - started
         weights.check_digest(
             manifest, bucket, weights.checksums.digest(manifest.algorithm, memoryview(target))
         )

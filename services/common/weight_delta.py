@@ -20,17 +20,39 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from services.common.errors import DataLoss, InvalidArgument
+from services.common.weights import Manifest, dtype_from_name
 
 _WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INDEX = np.dtype("<u4")
 
 
+# 16-bit words: the rollout dtypes in which one small optimizer step leaves most values unchanged
+DELTA_WORD = 2
+
+
 class Encoding(enum.IntEnum):
+    """The values are the wire's BucketEncoding (types.proto): FULL is its UNSPECIFIED, whole bytes."""
+
     FULL = 0
     INDICES = 1
     BITMAP = 2
+
+
+def delta_word(manifest: Manifest) -> int | None:
+    """The word a version's buckets are diffed in: DELTA_WORD when every tensor is bf16 or fp16 (and
+    so every bucket a whole number of words), else None: fp32 changes almost every word each step."""
+    if not manifest.tensors or manifest.total_bytes % DELTA_WORD:
+        return None
+    sizes = {dtype_from_name(t.dtype).itemsize for t in manifest.tensors}
+    return DELTA_WORD if sizes == {DELTA_WORD} else None
+
+
+def base_digest(manifest: Manifest) -> str:
+    """Names a version's bytes: xxh3_64 of its bucket digests joined by ","."""
+    return xxhash.xxh3_64_hexdigest(",".join(b.digest for b in manifest.buckets).encode())
 
 
 @dataclass(frozen=True)
@@ -65,15 +87,15 @@ def encode(base: bytes | bytearray | memoryview, new: bytes | bytearray | memory
         raise InvalidArgument(f"a delta needs buckets of one size: base {len(base)}, new {len(new)} bytes")
     old_words, new_words = _words(base, word), _words(new, word)
     mask = old_words != new_words  # [words]
-    changed = int(np.count_nonzero(mask))
+    indices = np.flatnonzero(mask)  # [changed], ascending
+    changed = int(indices.size)
     cost = sizes(len(new_words), changed, word)
     best = min(cost, key=lambda e: (cost[e], e))  # ties: FULL first (nothing to decode)
     if best is Encoding.FULL:
         return Delta(Encoding.FULL, memoryview(new).cast("B"), len(new_words))
-    values = new_words[mask].tobytes()  # [changed] words, in index order
+    values = new_words[indices].tobytes()  # [changed] words, in index order
     if best is Encoding.INDICES:
-        indices = np.flatnonzero(mask).astype(_INDEX)  # [changed]
-        return Delta(Encoding.INDICES, indices.tobytes() + values, changed)
+        return Delta(Encoding.INDICES, indices.astype(_INDEX).tobytes() + values, changed)
     bitmap = np.packbits(mask, bitorder="little").tobytes()  # [ceil(words / 8)]
     return Delta(Encoding.BITMAP, bitmap + values, changed)
 
@@ -104,7 +126,7 @@ def apply(target: bytearray | memoryview, delta: Delta, word: int) -> int:
     if delta.encoding is Encoding.BITMAP:
         bitmap_bytes = (len(words) + 7) // 8
         if len(payload) < bitmap_bytes:
-            raise DataLoss(f"a bitmap delta of {len(payload)} bytes is shorter than its {bitmap_bytes}-byte map")
+            raise DataLoss(f"a bitmap delta of {len(payload)} bytes is shorter than its {bitmap_bytes} B map")
         mask = np.unpackbits(
             np.frombuffer(payload[:bitmap_bytes], dtype=np.uint8), count=len(words), bitorder="little"
         ).astype(bool)  # [words]

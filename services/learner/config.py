@@ -176,6 +176,11 @@ class PublishConfig(_Section):
         le=65535,
         description="nccl transport: the rendezvous port; 0 = any free port.",
     )
+    delta: bool = Field(
+        default=True,
+        description="grpc_stream, bf16/fp16 export: keep the last packed version and let a rollout that "
+        "holds it fetch the next one as sparse deltas (services/transports/grpc_stream.py).",
+    )
     bucket_bytes: int = Field(
         default=DEFAULT_BUCKET_BYTES,
         gt=0,

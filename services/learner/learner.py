@@ -111,6 +111,7 @@ class Learner:
                 min_rate_mb_s=settings.publish.collective_min_rate_mb_s,
             ),
             collective_port=settings.publish.collective_port,
+            delta=settings.publish.delta,
         )
 
     async def start(self) -> None:
@@ -318,10 +319,13 @@ class Learner:
         )
         return item, ms
 
-    async def fetch_chunks(self, version: int, buckets: list[int]) -> AsyncIterator[tuple[int, int, bytes]]:
-        """Chunks of a prepared version (any transport's); yields to the loop between chunks."""
+    async def fetch_chunks(
+        self, version: int, buckets: list[int], base_version: int = 0
+    ) -> AsyncIterator[bytes]:
+        """Chunks of a prepared version (any transport's; deltas against `base_version` where it has
+        them); yields to the loop between chunks."""
         item = self.store.get(version)
-        for chunk in chunks(item, buckets, self.settings.publish.chunk_bytes):
+        for chunk in chunks(item, buckets, self.settings.publish.chunk_bytes, base_version):
             yield chunk
             await asyncio.sleep(0)
 

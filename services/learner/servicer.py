@@ -112,7 +112,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     async def FetchWeights(self, request, context) -> AsyncIterator[bytes]:
         # FetchWeightsResponse messages already in wire form (chunk_wire: no copies through protobuf);
         # server.py registers this method to send them as they are
-        async for message in self.learner.fetch_chunks(request.version, list(request.buckets)):
+        chunks = self.learner.fetch_chunks(request.version, list(request.buckets), request.base_version)
+        async for message in chunks:
             yield message
 
     async def ReleaseWeights(self, request, context) -> learner_pb2.ReleaseWeightsResponse:

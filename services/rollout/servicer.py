@@ -183,7 +183,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             transports.target_from_proto(request.weight_version), request.rewind
         )
         return rollout_pb2.StageWeightsResponse(
-            version=staged.version, bytes=staged.manifest.total_bytes, fetch_ms=staged.fetch_ms
+            version=staged.version,
+            bytes=staged.manifest.total_bytes,
+            fetch_ms=staged.fetch_ms,
+            received_bytes=staged.received_bytes,
         )
 
     async def CommitWeights(

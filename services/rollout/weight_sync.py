@@ -74,6 +74,7 @@ class WeightStager:
                 version=fresh.version,
                 transport=target.kind,
                 bytes=fresh.manifest.total_bytes,
+                received_bytes=fresh.received_bytes,
                 fetch_ms=round(fresh.fetch_ms, 1),
             )
             return fresh

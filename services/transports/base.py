@@ -52,6 +52,7 @@ class PublishContext:
     collective_timeout_s: float = 60.0
     collective_transfer: TransferDeadline | None = None  # the buckets' deadline (None: the default rate)
     collective_port: int = 0  # the rendezvous store's port; 0 = any free port
+    delta: bool = True  # grpc_stream: encode each version against the last one packed (bf16/fp16)
     state: dict[str, Any] = field(default_factory=dict)  # per-learner state a transport keeps (groups)
 
 
@@ -131,6 +132,7 @@ class Staged(abc.ABC):
         self.version = version
         self.manifest = manifest
         self.fetch_ms = fetch_ms
+        self.received_bytes = manifest.total_bytes  # bytes that crossed the transport (less: deltas)
 
     @property
     @abc.abstractmethod

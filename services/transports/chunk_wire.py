@@ -30,6 +30,9 @@ _VERSION = _CHUNK_FIELDS["version"].number
 _BUCKET = _CHUNK_FIELDS["bucket"].number
 _OFFSET = _CHUNK_FIELDS["offset"].number
 _DATA = _CHUNK_FIELDS["data"].number
+_ENCODING = _CHUNK_FIELDS["encoding"].number
+_PAYLOAD_BYTES = _CHUNK_FIELDS["payload_bytes"].number
+_NUMBERS = (_VERSION, _BUCKET, _OFFSET, _ENCODING, _PAYLOAD_BYTES)
 _CHUNK = learner_pb2.FetchWeightsResponse.DESCRIPTOR.fields_by_name["chunk"].number
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _SERVICE = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"]
@@ -44,6 +47,8 @@ class ChunkView:
     bucket: int
     offset: int
     data: memoryview
+    encoding: int = 0  # BucketEncoding: 0 the bucket's bytes, else a delta (offset within its payload)
+    payload_bytes: int = 0  # a delta's whole payload
 
 
 def _varint(value: int) -> bytes:
@@ -61,19 +66,30 @@ def _tag(field: int, wire_type: int) -> bytes:
     return _varint((field << 3) | wire_type)
 
 
-def encode_chunk(version: int, bucket: int, offset: int, data: memoryview | bytes) -> bytes:
-    """A serialized `FetchWeightsResponse{chunk: WeightChunk{version, bucket, offset, data}}`; the only
-    copy of `data` is the one into the returned bytes."""
-    head = b"".join(
-        _tag(field, _VARINT) + _varint(value)
-        for field, value in ((_VERSION, version), (_BUCKET, bucket), (_OFFSET, offset))
-        if value  # proto3: default values are not written
-    )
+def encode_chunk(
+    version: int,
+    bucket: int,
+    offset: int,
+    data: memoryview | bytes,
+    encoding: int = 0,
+    payload_bytes: int = 0,
+) -> bytes:
+    """A serialized `FetchWeightsResponse{chunk: WeightChunk{version, bucket, offset, data, encoding,
+    payload_bytes}}`; the only copy of `data` is the one into the returned bytes."""
+
+    def varints(*fields: tuple[int, int]) -> bytes:
+        # proto3: default values are not written
+        return b"".join(_tag(field, _VARINT) + _varint(value) for field, value in fields if value)
+
+    # in field-number order, as protobuf writes them: 1-3, data (4), then 5-6
+    head = varints((_VERSION, version), (_BUCKET, bucket), (_OFFSET, offset))
+    tail = varints((_ENCODING, encoding), (_PAYLOAD_BYTES, payload_bytes))
     size = len(data)
-    body = len(head) + (len(_tag(_DATA, _LEN)) + len(_varint(size)) + size if size else 0)
+    body = len(head) + (len(_tag(_DATA, _LEN)) + len(_varint(size)) + size if size else 0) + len(tail)
     parts: list[Any] = [_tag(_CHUNK, _LEN), _varint(body), head]
     if size:
         parts += [_tag(_DATA, _LEN), _varint(size), data]
+    parts.append(tail)
     return b"".join(parts)
 
 
@@ -116,7 +132,7 @@ def decode_chunk(raw: bytes) -> ChunkView:
     """A `FetchWeightsResponse` from its wire bytes, its chunk's data a view of `raw`; as protobuf
     parses: the last value of a repeated scalar field wins, sub-message pieces merge."""
     buf = memoryview(raw)
-    version = bucket = offset = 0
+    version = bucket = offset = encoding = payload_bytes = 0
     data = memoryview(b"")
     for field, wire_type, outer in _fields(buf, 0, len(buf)):
         if field != _CHUNK:
@@ -126,7 +142,7 @@ def decode_chunk(raw: bytes) -> ChunkView:
         assert isinstance(outer, memoryview)
         for inner, inner_type, value in _fields(outer, 0, len(outer)):
             expected = _LEN if inner == _DATA else _VARINT
-            if inner not in (_VERSION, _BUCKET, _OFFSET, _DATA):
+            if inner not in (*_NUMBERS, _DATA):
                 continue
             if inner_type != expected:
                 raise DataLoss(f"FetchWeights response: WeightChunk field {inner} has wire type {inner_type}")
@@ -137,9 +153,13 @@ def decode_chunk(raw: bytes) -> ChunkView:
                 version = value - (1 << 64) if value >= 1 << 63 else value  # int64
             elif inner == _BUCKET:
                 bucket = value & 0xFFFFFFFF  # uint32: protobuf truncates
+            elif inner == _ENCODING:
+                encoding = value & 0xFFFFFFFF  # an enum is an int32
+            elif inner == _PAYLOAD_BYTES:
+                payload_bytes = value
             else:
                 offset = value
-    return ChunkView(version, bucket, offset, data)
+    return ChunkView(version, bucket, offset, data, encoding, payload_bytes)
 
 
 def _pass_encoded(serializer: Callable[[Any], bytes]) -> Callable[[Any], bytes]:

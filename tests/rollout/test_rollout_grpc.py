@@ -307,7 +307,7 @@ async def test_weight_updates_over_grpc_stream_and_shared_memory(
             staged = await server.stub.StageWeights(
                 rollout_pb2.StageWeightsRequest(weight_version=wv1), timeout=TIMEOUT
             )
-            assert staged.version == 1 and staged.bytes == wv1.total_bytes
+            assert staged.version == 1 and staged.bytes == staged.received_bytes == wv1.total_bytes
             assert (await server.state()).staged_version == 1
             committed = await server.stub.CommitWeights(
                 rollout_pb2.CommitWeightsRequest(version=1), timeout=TIMEOUT

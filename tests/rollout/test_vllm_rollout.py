@@ -310,6 +310,7 @@ async def test_vllm_weight_updates_over_shared_memory_and_grpc_stream(
             committed = await stub.CommitWeights(
                 rollout_pb2.CommitWeightsRequest(version=version + 2), timeout=TIMEOUT
             )
+        assert staged.received_bytes == staged.bytes == wv.total_bytes  # whole: no delta offered
         print(f"grpc_stream: fetch {staged.fetch_ms:.1f} ms, load {committed.load_ms:.1f} ms", end=", ")
         print(f"pause {committed.pause_ms:.1f} ms")
         assert (await state_of(stub)).weight_version == version + 2

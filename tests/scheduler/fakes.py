@@ -297,13 +297,14 @@ class FakeRollout:
 
     async def stage(
         self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False
-    ) -> None:
+    ) -> int:
         self._check_alive()
         if self.fail_stage:
             raise self.fail_stage.pop(0)
         if weights.version <= self.version and not rewind:  # as the real rollout refuses it
             raise Aborted(f"weight version {weights.version} is not newer than the loaded {self.version}")
         self.staged = weights.version
+        return weights.delta_bytes or weights.total_bytes  # as if it held the delta's base
 
     async def commit(self, version: int, rewind: bool = False, deadline_s: float | None = None) -> None:
         self._check_alive()

@@ -19,8 +19,17 @@ OFFSETS = st.integers(min_value=0, max_value=2**64 - 1)
 DATA = st.binary(max_size=3000)
 
 
-def _message(version: int, bucket: int, offset: int, data: bytes) -> learner_pb2.FetchWeightsResponse:
-    chunk = types_pb2.WeightChunk(version=version, bucket=bucket, offset=offset, data=data)
+def _message(
+    version: int, bucket: int, offset: int, data: bytes, encoding: int = 0, payload_bytes: int = 0
+) -> learner_pb2.FetchWeightsResponse:
+    chunk = types_pb2.WeightChunk(
+        version=version,
+        bucket=bucket,
+        offset=offset,
+        data=data,
+        encoding=encoding,
+        payload_bytes=payload_bytes,
+    )
     return learner_pb2.FetchWeightsResponse(chunk=chunk)
 
 
@@ -38,6 +47,22 @@ def test_what_we_encode_protobuf_parses_and_it_is_protobufs_own_encoding(version
 def test_what_protobuf_encodes_we_decode(version, bucket, offset, data):
     chunk = decode_chunk(_message(version, bucket, offset, data).SerializeToString())
     assert (chunk.version, chunk.bucket, chunk.offset, bytes(chunk.data)) == (version, bucket, offset, data)
+
+
+ENCODINGS = st.sampled_from([0, 1, 2])
+
+
+@settings(max_examples=200)
+@given(VERSIONS, BUCKETS, OFFSETS, DATA, ENCODINGS, OFFSETS)
+def test_a_delta_chunk_round_trips_and_is_protobufs_own_encoding(
+    version, bucket, offset, data, encoding, payload_bytes
+):
+    wire = encode_chunk(version, bucket, offset, memoryview(data), encoding, payload_bytes)
+    expected = _message(version, bucket, offset, data, encoding, payload_bytes)
+    assert wire == expected.SerializeToString(deterministic=True)
+    chunk = decode_chunk(expected.SerializeToString())
+    got = (chunk.version, chunk.bucket, chunk.offset, bytes(chunk.data), chunk.encoding, chunk.payload_bytes)
+    assert got == (version, bucket, offset, data, encoding, payload_bytes)
 
 
 def _varint(value: int) -> bytes:

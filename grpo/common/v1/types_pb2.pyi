@@ -34,6 +34,12 @@ class WeightTransportKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_TRANSPORT_KIND_CUDA_IPC: _ClassVar[WeightTransportKind]
     WEIGHT_TRANSPORT_KIND_NCCL: _ClassVar[WeightTransportKind]
     WEIGHT_TRANSPORT_KIND_CHECKPOINT: _ClassVar[WeightTransportKind]
+
+class BucketEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BUCKET_ENCODING_UNSPECIFIED: _ClassVar[BucketEncoding]
+    BUCKET_ENCODING_DELTA_INDICES: _ClassVar[BucketEncoding]
+    BUCKET_ENCODING_DELTA_BITMAP: _ClassVar[BucketEncoding]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -50,6 +56,9 @@ WEIGHT_TRANSPORT_KIND_SHARED_MEMORY: WeightTransportKind
 WEIGHT_TRANSPORT_KIND_CUDA_IPC: WeightTransportKind
 WEIGHT_TRANSPORT_KIND_NCCL: WeightTransportKind
 WEIGHT_TRANSPORT_KIND_CHECKPOINT: WeightTransportKind
+BUCKET_ENCODING_UNSPECIFIED: BucketEncoding
+BUCKET_ENCODING_DELTA_INDICES: BucketEncoding
+BUCKET_ENCODING_DELTA_BITMAP: BucketEncoding
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
@@ -366,13 +375,16 @@ class CheckpointTransport(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class WeightVersion(_message.Message):
-    __slots__ = ("version", "parent_version", "tensors", "buckets", "total_bytes", "checksum_algorithm", "grpc_stream", "shared_memory", "cuda_ipc", "nccl", "checkpoint")
+    __slots__ = ("version", "parent_version", "tensors", "buckets", "total_bytes", "checksum_algorithm", "delta_base_version", "delta_base_digest", "delta_bytes", "grpc_stream", "shared_memory", "cuda_ipc", "nccl", "checkpoint")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     GRPC_STREAM_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
@@ -384,21 +396,28 @@ class WeightVersion(_message.Message):
     buckets: _containers.RepeatedCompositeFieldContainer[WeightBucket]
     total_bytes: int
     checksum_algorithm: ChecksumAlgorithm
+    delta_base_version: int
+    delta_base_digest: str
+    delta_bytes: int
     grpc_stream: GrpcStreamTransport
     shared_memory: SharedMemoryTransport
     cuda_ipc: CudaIpcTransport
     nccl: NcclTransport
     checkpoint: CheckpointTransport
-    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., grpc_stream: _Optional[_Union[GrpcStreamTransport, _Mapping]] = ..., shared_memory: _Optional[_Union[SharedMemoryTransport, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcTransport, _Mapping]] = ..., nccl: _Optional[_Union[NcclTransport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointTransport, _Mapping]] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., delta_base_version: _Optional[int] = ..., delta_base_digest: _Optional[str] = ..., delta_bytes: _Optional[int] = ..., grpc_stream: _Optional[_Union[GrpcStreamTransport, _Mapping]] = ..., shared_memory: _Optional[_Union[SharedMemoryTransport, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcTransport, _Mapping]] = ..., nccl: _Optional[_Union[NcclTransport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointTransport, _Mapping]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("version", "bucket", "offset", "data")
+    __slots__ = ("version", "bucket", "offset", "data", "encoding", "payload_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     bucket: int
     offset: int
     data: bytes
-    def __init__(self, version: _Optional[int] = ..., bucket: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    encoding: BucketEncoding
+    payload_bytes: int
+    def __init__(self, version: _Optional[int] = ..., bucket: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., encoding: _Optional[_Union[BucketEncoding, str]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...

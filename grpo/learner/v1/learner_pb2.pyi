@@ -62,12 +62,14 @@ class PrepareWeightsResponse(_message.Message):
     def __init__(self, weight_version: _Optional[_Union[_types_pb2.WeightVersion, _Mapping]] = ..., prepare_ms: _Optional[float] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
-    __slots__ = ("version", "buckets")
+    __slots__ = ("version", "buckets", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     buckets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ...) -> None: ...
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class FetchWeightsResponse(_message.Message):
     __slots__ = ("chunk",)

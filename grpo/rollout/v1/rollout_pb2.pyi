@@ -89,14 +89,16 @@ class StageWeightsRequest(_message.Message):
     def __init__(self, weight_version: _Optional[_Union[_types_pb2.WeightVersion, _Mapping]] = ..., rewind: _Optional[bool] = ...) -> None: ...
 
 class StageWeightsResponse(_message.Message):
-    __slots__ = ("version", "bytes", "fetch_ms")
+    __slots__ = ("version", "bytes", "fetch_ms", "received_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     FETCH_MS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     bytes: int
     fetch_ms: float
-    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., fetch_ms: _Optional[float] = ...) -> None: ...
+    received_bytes: int
+    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., fetch_ms: _Optional[float] = ..., received_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitWeightsRequest(_message.Message):
     __slots__ = ("version", "rewind")

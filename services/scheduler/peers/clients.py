@@ -208,10 +208,11 @@ class RolloutClient(Protocol):
 
     async def stage(
         self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False
-    ) -> None:
+    ) -> int:
         """Fetch/receive + verify a version within `deadline_s` (None: the configured transfer deadline
         for its bytes). `rewind`: accept a version not newer than the loaded one (the learner restarted
-        from an older checkpoint; the loaded weights belong to a lineage that no longer exists)."""
+        from an older checkpoint; the loaded weights belong to a lineage that no longer exists).
+        Returns the bytes that reached the rollout (fewer than the version's when sent as deltas)."""
 
     async def commit(self, version: int, rewind: bool = False, deadline_s: float | None = None) -> None:
         """Load the staged `version` within `deadline_s` (None: the weight-sync deadline; `rewind`: even

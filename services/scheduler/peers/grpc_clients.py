@@ -242,10 +242,11 @@ class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
 
     async def stage(
         self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False
-    ) -> None:
+    ) -> int:
         request = rollout_pb2.StageWeightsRequest(weight_version=weights, rewind=rewind)
         deadline = transfer_timeout(self._timeouts, weights) if deadline_s is None else deadline_s
-        await self.unary("StageWeights", request, deadline)
+        response = await self.unary("StageWeights", request, deadline)
+        return response.received_bytes or response.bytes  # a rollout from before received_bytes
 
     async def commit(self, version: int, rewind: bool = False, deadline_s: float | None = None) -> None:
         request = rollout_pb2.CommitWeightsRequest(version=version, rewind=rewind)

@@ -51,7 +51,7 @@ class SyncResult:
     commit_ms: float
     total_ms: float
     version_bytes: int = 0  # the version's payload (WeightVersion.total_bytes)
-    moved_bytes: int = 0  # what the rollouts that staged it received: the payload once per rollout
+    moved_bytes: int = 0  # what reached the rollouts that staged it (per rollout: the payload, or its delta)
 
     def record(self) -> dict[str, float]:
         """The sync's phases and bytes as a step row's `sync_*` fields."""
@@ -117,14 +117,14 @@ class WeightSyncer:
             # a rollout holding this version or a newer one has weights of a lineage the learner lost
             # when it restarted from an older checkpoint: it must go back (rewind)
             rewind = {h.address for h in targets if h.version >= prepared.version}
-            staged = await self._phase(
-                targets,
-                "stage",
-                lambda h: h.client.stage(
-                    prepared.message, prepared.transfer_timeout, rewind=h.address in rewind
-                ),
-                prepared.version,
-            )
+            received: dict[str, int] = {}  # address → bytes that reached it (deltas: fewer)
+
+            async def stage(handle: RolloutHandle) -> None:
+                received[handle.address] = await handle.client.stage(
+                    prepared.message, prepared.transfer_timeout, rewind=handle.address in rewind
+                )
+
+            staged = await self._phase(targets, "stage", stage, prepared.version)
             after_stage = time.perf_counter()
             committed = await self._phase(
                 staged,
@@ -155,7 +155,7 @@ class WeightSyncer:
             commit_ms=(done - after_stage) * 1e3,
             total_ms=(done - pending.started) * 1e3,
             version_bytes=prepared.message.total_bytes,
-            moved_bytes=prepared.message.total_bytes * len(staged),
+            moved_bytes=sum(received[h.address] for h in staged),
         )
 
     async def _phase(

@@ -42,7 +42,7 @@ from services.learner.trainer import StepOutcome, Trainer
 from services.transports import Prepared, PublishContext, Receiver, TransportKind
 from services.transports import registry as transports
 from services.transports.cuda_ipc_fence import HOLDERS_KEY, Holder
-from services.transports.grpc_stream import chunks
+from services.transports.grpc_stream import chunks, delta_ready
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -325,6 +325,8 @@ class Learner:
         """Chunks of a prepared version (any transport's; deltas against `base_version` where it has
         them); yields to the loop between chunks."""
         item = self.store.get(version)
+        if base_version:
+            await delta_ready(item)  # encoded in the background after PrepareWeights
         for chunk in chunks(item, buckets, self.settings.publish.chunk_bytes, base_version):
             yield chunk
             await asyncio.sleep(0)

@@ -28,6 +28,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -71,6 +72,8 @@ from services.transports.shared_memory import (
 log = get_logger(__name__)
 
 _LAST_PACKED = "grpc_stream.last_packed"  # PublishContext.state: the base of the next version's delta
+# encodes each version's delta off the learner's model thread (one version after another)
+_ENCODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-delta")
 
 
 @dataclass(frozen=True)
@@ -112,13 +115,15 @@ class InMemoryPrepared(Prepared):
         buffer: bytearray,
         address: str,
         chunk: int,
-        delta: VersionDelta | None = None,
+        delta_base: tuple[int, str] | None = None,
+        delta: Future[VersionDelta] | None = None,
     ) -> None:
         super().__init__(version, manifest)
         self.buffer: bytearray | None = buffer
         self.address = address
         self.chunk_bytes = chunk
-        self.delta = delta
+        self.delta_base = delta_base  # (version, base_digest) the delta is against
+        self.delta = delta  # being encoded in the background (`_ENCODER`)
 
     def view(self) -> memoryview:
         if self.buffer is None:
@@ -145,14 +150,18 @@ def chunks(
             f"weight version {prepared.version} has no bucket {unknown[0]} (has {len(by_index)})"
         )
     selected = [by_index[b] for b in buckets] if buckets else list(prepared.manifest.buckets)
-    delta = getattr(prepared, "delta", None)
-    if base_version and (delta is None or delta.base_version != base_version):
+    delta_base = getattr(prepared, "delta_base", None)
+    if base_version and (delta_base is None or delta_base[0] != base_version):
         raise FailedPrecondition(
             f"weight version {prepared.version} has no delta against version {base_version}"
-            + (f" (its base is {delta.base_version})" if delta else "")
+            + (f" (its base is {delta_base[0]})" if delta_base else "")
         )
+    future = getattr(prepared, "delta", None)
+    delta = future.result() if base_version and future is not None else None  # await `delta_ready` first
+    if base_version and delta is None:
+        raise NotFound(f"weight version {prepared.version} was released")
     for entry in selected:
-        encoded = delta.buckets[entry.index] if base_version else None
+        encoded = delta.buckets[entry.index] if delta is not None else None
         if encoded is None or encoded.encoding == weight_delta.Encoding.FULL:
             for bucket, offset, size in weights.chunk_ranges([entry], chunk_bytes):
                 with prepared.view() as view, view[offset : offset + size] as piece:
@@ -165,22 +174,41 @@ def chunks(
             yield encode_chunk(prepared.version, entry.index, start, piece, int(encoded.encoding), total)
 
 
-def _encode_delta(base: _Packed | None, buffer: bytearray, manifest: weights.Manifest) -> VersionDelta | None:
-    """`manifest`'s buckets (bytes in `buffer`) encoded against `base`, when both are the same layout
-    of 16-bit words."""
-    word = weight_delta.delta_word(manifest)
-    if base is None or word is None or base.manifest.tensors != manifest.tensors:
-        return None
-    if [(b.offset, b.nbytes) for b in base.manifest.buckets] != [
+async def delta_ready(prepared: Prepared) -> None:
+    """Wait (off the loop) until a prepared version's delta is encoded, if it has one coming."""
+    future = getattr(prepared, "delta", None)
+    if future is not None:
+        await asyncio.wrap_future(future)
+
+
+def _same_layout(base: _Packed | None, manifest: weights.Manifest) -> bool:
+    """Whether `manifest` can be encoded against `base`: the same tensors in the same buckets."""
+    if base is None or base.manifest.tensors != manifest.tensors:
+        return False
+    return [(b.offset, b.nbytes) for b in base.manifest.buckets] == [
         (b.offset, b.nbytes) for b in manifest.buckets
-    ]:
-        return None
+    ]
+
+
+def _encode_delta(base: _Packed, version: int, buffer: bytearray, manifest: weights.Manifest) -> VersionDelta:
+    """`manifest`'s buckets (bytes in `buffer`) encoded against `base` (in `_ENCODER`'s thread)."""
+    started = time.perf_counter()
+    word = weight_delta.DELTA_WORD
     old, new = memoryview(base.buffer), memoryview(buffer)
     encoded = tuple(
         weight_delta.encode(old[b.offset : b.offset + b.nbytes], new[b.offset : b.offset + b.nbytes], word)
         for b in manifest.buckets
     )
-    return VersionDelta(base.version, weight_delta.base_digest(base.manifest), word, encoded)
+    delta = VersionDelta(base.version, weight_delta.base_digest(base.manifest), word, encoded)
+    log.info(
+        "weight delta encoded",
+        version=version,
+        base_version=base.version,
+        bytes=delta.payload_bytes,
+        whole_bytes=manifest.total_bytes,
+        ms=round((time.perf_counter() - started) * 1e3, 1),
+    )
+    return delta
 
 
 class _Fetcher(GrpcClient[learner_pb2_grpc.LearnerServiceStub]):
@@ -330,22 +358,23 @@ class GrpcStreamTransport(WeightTransport):
         address = ctx.advertise_address()  # fail before the expensive pack if no address is known
         buffer = bytearray(weights.packed_size(weights.plan_layout(state)))
         manifest = weights.build_manifest(state, memoryview(buffer), ctx.bucket_bytes)
-        delta = None
+        delta_base, delta = None, None
         if ctx.delta and weight_delta.delta_word(manifest):
-            delta = _encode_delta(ctx.state.get(_LAST_PACKED), buffer, manifest)
+            base = ctx.state.get(_LAST_PACKED)
+            if _same_layout(base, manifest):
+                delta_base = (base.version, weight_delta.base_digest(base.manifest))
+                delta = _ENCODER.submit(_encode_delta, base, version, buffer, manifest)
             ctx.state[_LAST_PACKED] = _Packed(version, buffer, manifest)  # the next version's base
         else:
             ctx.state.pop(_LAST_PACKED, None)
-        return InMemoryPrepared(version, manifest, buffer, address, ctx.chunk_bytes, delta)
+        return InMemoryPrepared(version, manifest, buffer, address, ctx.chunk_bytes, delta_base, delta)
 
     def write_descriptor(self, prepared: Prepared, message: types_pb2.WeightVersion) -> None:
         assert isinstance(prepared, InMemoryPrepared)
         message.grpc_stream.address = prepared.address
         message.grpc_stream.chunk_bytes = prepared.chunk_bytes
-        if prepared.delta is not None:
-            message.delta_base_version = prepared.delta.base_version
-            message.delta_base_digest = prepared.delta.base_digest
-            message.delta_bytes = prepared.delta.payload_bytes
+        if prepared.delta_base is not None:
+            message.delta_base_version, message.delta_base_digest = prepared.delta_base
 
     # ---- rollout half
     def read_descriptor(self, message: types_pb2.WeightVersion) -> GrpcStreamDescriptor:

@@ -304,7 +304,7 @@ class FakeRollout:
         if weights.version <= self.version and not rewind:  # as the real rollout refuses it
             raise Aborted(f"weight version {weights.version} is not newer than the loaded {self.version}")
         self.staged = weights.version
-        return weights.delta_bytes or weights.total_bytes  # as if it held the delta's base
+        return weights.total_bytes
 
     async def commit(self, version: int, rewind: bool = False, deadline_s: float | None = None) -> None:
         self._check_alive()

@@ -77,9 +77,8 @@ async def test_the_next_version_arrives_as_deltas_rebuilt_bit_for_bit(learner) -
         for step in (1, 2):
             version = await _next_version(stub, vocab, step)
             assert version.delta_base_version == step and len(version.buckets) > 1
-            assert 0 < version.delta_bytes < version.total_bytes
             staged = await rollout.stage(transports.target_from_proto(version), CTX)
-            assert staged.received_bytes == version.delta_bytes  # only the deltas crossed
+            assert 0 < staged.received_bytes < version.total_bytes / 2  # only the deltas crossed
             rebuilt = _segment_bytes(staged.plan.spec["segment_name"], version.total_bytes)
             assert rebuilt == bytes(await fetch_all(stub, version))  # the same bytes as a whole fetch
             staged.release()
@@ -104,7 +103,7 @@ async def test_a_spare_that_is_not_the_base_is_refused_and_the_version_fetched_w
             segment.close()
         staged = await rollout.stage(transports.target_from_proto(version), CTX)
         # the delta up to its first refused bucket, then the version whole
-        assert version.total_bytes < staged.received_bytes <= version.delta_bytes + version.total_bytes
+        assert version.total_bytes < staged.received_bytes < 2 * version.total_bytes
         assert _segment_bytes(name, version.total_bytes) == bytes(await fetch_all(stub, version))
         staged.release()
     finally:
@@ -136,4 +135,4 @@ async def test_with_deltas_off_every_version_is_whole(learner) -> None:
     stub, vocab = learner
     await _next_version(stub, vocab, 0)
     version = await _next_version(stub, vocab, 1)
-    assert (version.delta_base_version, version.delta_bytes) == (0, 0)
+    assert (version.delta_base_version, version.delta_base_digest) == (0, "")

@@ -158,6 +158,22 @@ def process_tree(pid: int) -> set[int]:
     return tree
 
 
+def logged_medians(log: Path, fields: dict[str, tuple[str, str]]) -> dict[str, float]:
+    """Medians of numbers a service logged (its JSON lines): {name: (event, field)} → {name: median}."""
+    seen: dict[str, list[float]] = {name: [] for name in fields}
+    for line in log.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        for name, (event, field) in fields.items():
+            if record.get("event") == event and isinstance(record.get(field), int | float):
+                seen[name].append(float(record[field]))
+    return {name: round(statistics.median(values), 2) for name, values in seen.items() if values}
+
+
 def cuda_ipc_check(
     model_dir: Path, params: int, dtype: str, syncs: int, work: Path, device: str = "cuda",
     learner_kind: str = "plain",
@@ -262,6 +278,18 @@ def cuda_ipc_check(
         # model's memory in the rollout (less what its allocator keeps cached for activations)
         after = memory_after_all.get(rollout.pid) or rollout_before_attach
         result["rollout_freed_mib"] = rollout_before_attach - after
+        # inside the services, per sync (medians): where the phases above spend their time
+        result["logged_ms"] = {
+            **logged_medians(work / f"learner-{name}.log", {"learner_prepare": ("weights prepared", "ms")}),
+            **logged_medians(
+                work / f"rollout-{name}.log",
+                {
+                    "rollout_stage": ("weights staged", "fetch_ms"),
+                    "rollout_load": ("weights committed", "load_ms"),
+                    "rollout_pause": ("weights committed", "pause_ms"),
+                },
+            ),
+        }
         result["zero_copy_attach"] = rollout_before_attach - after >= 0.5 * model_mib
         return result
     finally:

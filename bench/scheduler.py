@@ -251,9 +251,10 @@ class StubRollout:
 
     async def stage(
         self, weights: types_pb2.WeightVersion, deadline_s: float | None = None, rewind: bool = False
-    ) -> None:
+    ) -> int:
         await asyncio.sleep(0)
         self.staged = weights.version
+        return weights.total_bytes
 
     async def commit(self, version: int, rewind: bool = False, deadline_s: float | None = None) -> None:
         await asyncio.sleep(0)

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.profile_learner import batch
-from services.common import weights
+from services.common import checksums, weights
 from services.common.weight_delta import apply, encode
 from services.learner.config import LearnerSettings, OptimConfig, PublishConfig
 from services.learner.trainer import Trainer
@@ -55,9 +55,7 @@ def delta_version(
         started = time.perf_counter()
         apply(target, delta, word)
         apply_s += time.perf_counter() - started
-        weights.check_digest(
-            manifest, bucket, weights.checksums.digest(manifest.algorithm, memoryview(target))
-        )
+        weights.check_digest(manifest, bucket, checksums.digest(manifest.algorithm, memoryview(target)))
         payload += len(delta.payload)
         changed += delta.changed
         encodings[delta.encoding.name] += 1

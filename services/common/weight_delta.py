@@ -20,8 +20,8 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
+from services.common.checksums import ChecksumAlgorithm, digest
 from services.common.errors import DataLoss, InvalidArgument
 from services.common.weights import Manifest, dtype_from_name
 
@@ -52,7 +52,9 @@ def delta_word(manifest: Manifest) -> int | None:
 
 def base_digest(manifest: Manifest) -> str:
     """Names a version's bytes: xxh3_64 of its bucket digests joined by ","."""
-    return xxhash.xxh3_64_hexdigest(",".join(b.digest for b in manifest.buckets).encode())
+    return digest(
+        ChecksumAlgorithm.xxh3_64, memoryview(",".join(b.digest for b in manifest.buckets).encode())
+    )
 
 
 @dataclass(frozen=True)

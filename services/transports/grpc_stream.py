@@ -86,11 +86,9 @@ class GrpcStreamDescriptor:
 
 @dataclass(frozen=True)
 class VersionDelta:
-    """A packed version's buckets encoded against the version packed before it."""
+    """A packed version's buckets encoded against the version packed before it (which
+    `InMemoryPrepared.delta_base` names)."""
 
-    base_version: int
-    base_digest: str
-    word: int
     buckets: tuple[weight_delta.Delta, ...]  # in manifest order
 
     @property
@@ -199,7 +197,7 @@ def _encode_delta(base: _Packed, version: int, buffer: bytearray, manifest: weig
         weight_delta.encode(old[b.offset : b.offset + b.nbytes], new[b.offset : b.offset + b.nbytes], word)
         for b in manifest.buckets
     )
-    delta = VersionDelta(base.version, weight_delta.base_digest(base.manifest), word, encoded)
+    delta = VersionDelta(encoded)
     log.info(
         "weight delta encoded",
         version=version,

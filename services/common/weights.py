@@ -10,6 +10,7 @@ anywhere. This layout is the one thing all transports share.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -71,11 +72,22 @@ class BucketEntry:
 
 
 @dataclass(frozen=True)
+class LoraSpec:
+    """A weight version that is a LoRA adapter (WeightVersion.adapter): its tensors are peft's adapter
+    tensors over the receiver's own base model, the update B·A·alpha/rank."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Manifest:
     tensors: tuple[TensorEntry, ...]
     buckets: tuple[BucketEntry, ...]
     total_bytes: int
     algorithm: ChecksumAlgorithm = ChecksumAlgorithm.xxh3_64
+    adapter: LoraSpec | None = None  # None: the whole state_dict
 
 
 def plan_layout(state: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
@@ -202,6 +214,7 @@ def manifest_to_plain(manifest: Manifest) -> dict[str, Any]:
         "total_bytes": manifest.total_bytes,
         "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in manifest.tensors],
         "buckets": [[b.index, b.offset, b.nbytes, b.digest] for b in manifest.buckets],
+        "adapter": None if (a := manifest.adapter) is None else [a.rank, a.alpha, list(a.target_modules)],
     }
 
 
@@ -209,7 +222,36 @@ def manifest_from_plain(plain: dict[str, Any]) -> Manifest:
     """The inverse of `manifest_to_plain` (other keys of `plain` are ignored)."""
     tensors = tuple(TensorEntry(n, d, tuple(s), o, b) for n, d, s, o, b in plain["tensors"])
     buckets = tuple(BucketEntry(i, o, n, d) for i, o, n, d in plain["buckets"])
-    return Manifest(tensors, buckets, int(plain["total_bytes"]), ChecksumAlgorithm(plain["algorithm"]))
+    adapter = plain.get("adapter")
+    spec = None if adapter is None else LoraSpec(int(adapter[0]), float(adapter[1]), tuple(adapter[2]))
+    algorithm = ChecksumAlgorithm(plain["algorithm"])
+    return Manifest(tensors, buckets, int(plain["total_bytes"]), algorithm, spec)
+
+
+def adapter_to_proto(adapter: LoraSpec | None, message: types_pb2.WeightVersion) -> None:
+    """Mark a WeightVersion as a LoRA adapter (nothing for None: the whole state_dict)."""
+    if adapter is not None:
+        message.adapter.rank, message.adapter.alpha = adapter.rank, adapter.alpha
+        message.adapter.target_modules.extend(adapter.target_modules)
+
+
+def _adapter_from_proto(
+    message: types_pb2.WeightVersion, tensors: tuple[TensorEntry, ...]
+) -> LoraSpec | None:
+    """WeightVersion.adapter, checked: a rank, a positive alpha, modules, and only lora_A/lora_B tensors."""
+    if not message.HasField("adapter"):
+        return None
+    a = message.adapter
+    where = f"weight version {message.version}: adapter"
+    if a.rank == 0 or not math.isfinite(a.alpha) or a.alpha <= 0 or not a.target_modules:
+        raise InvalidArgument(f"{where} needs rank > 0, alpha > 0 and target_modules (got {a.rank}, "
+                              f"{a.alpha}, {list(a.target_modules)})")  # fmt: skip
+    for t in tensors:
+        if not t.name.endswith((".lora_A.weight", ".lora_B.weight")):
+            raise InvalidArgument(
+                f"{where}: tensor {t.name!r} is not a LoRA tensor (…lora_A.weight / …lora_B.weight)"
+            )
+    return LoraSpec(a.rank, a.alpha, tuple(a.target_modules))
 
 
 def manifest_to_proto(manifest: Manifest, message: types_pb2.WeightVersion) -> None:
@@ -235,7 +277,7 @@ def manifest_from_proto(message: types_pb2.WeightVersion) -> Manifest:
         )
     _check_buckets(buckets, message.total_bytes, algorithm)
     _check_tensors(tensors, message.total_bytes)
-    return Manifest(tensors, buckets, message.total_bytes, algorithm)
+    return Manifest(tensors, buckets, message.total_bytes, algorithm, _adapter_from_proto(message, tensors))
 
 
 def _check_buckets(buckets: tuple[BucketEntry, ...], total: int, algorithm: ChecksumAlgorithm) -> None:

@@ -141,7 +141,8 @@ class PublishConfig(_Section):
 
     export_format: Literal["full", "adapter"] = Field(
         default="full",
-        description="Published weights: full state_dict (LoRA merged) or adapter tensors only.",
+        description="Published weights: full state_dict (LoRA merged) or, with LoRA, the adapter tensors "
+        "only, which rollouts serve as a LoRA adapter per version (weight-sync.md).",
     )
     export_dtype: Dtype = Field(
         default="auto", description="dtype of published weights; auto = as trained (fp32 master weights)."
@@ -311,6 +312,13 @@ class LearnerSettings(ServiceSettings):
         default_factory=DistributedConfig,
         description="Ranks under torchrun ([learner.distributed]; used when WORLD_SIZE > 1).",
     )
+
+    @model_validator(mode="after")
+    def _adapter_needs_lora(self) -> LearnerSettings:
+        if self.publish.export_format == "adapter" and self.lora.rank == 0:
+            raise ValueError("publish.export_format adapter needs LoRA (--lora.rank > 0): a full "
+                             "fine-tune has no adapter to publish")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _borrow_needs_own_cores(self) -> LearnerSettings:

@@ -28,7 +28,7 @@ from services.common import validation as check
 from services.common.deadlines import TransferDeadline
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.logging import get_logger
-from services.common.weights import dtype_name
+from services.common.weights import LoraSpec, dtype_name
 from services.learner import checkpoint as ckpt
 from services.learner import ranks as ranked
 from services.learner import sharding
@@ -336,6 +336,15 @@ class Learner:
         # the model thread (no need to queue behind a train step); the store is thread-safe
         await asyncio.to_thread(self.store.release, version)
         log.info("weights released", version=version)
+
+    @property
+    def adapter(self) -> LoraSpec | None:
+        """What the published versions are when they carry the LoRA adapter only (export_format
+        adapter); None when they are the whole (merged) state_dict."""
+        if self.settings.publish.export_format != "adapter":
+            return None
+        lora = self.settings.lora
+        return LoraSpec(lora.rank, lora.alpha, tuple(lora.target_modules))
 
     def advertise_address(self) -> str:
         """host:port rollouts dial for FetchWeights."""

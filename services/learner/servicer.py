@@ -106,7 +106,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             transports.kind_from_proto(request.transport), receivers, holders
         )
         return learner_pb2.PrepareWeightsResponse(
-            weight_version=transports.describe(prepared), prepare_ms=prepare_ms
+            weight_version=transports.describe(prepared, self.learner.adapter), prepare_ms=prepare_ms
         )
 
     async def FetchWeights(self, request, context) -> AsyncIterator[bytes]:

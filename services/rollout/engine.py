@@ -96,7 +96,9 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     async def load_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> LoadTimings:
-        """Load a full state_dict, laid out per `manifest`, from a staged version's `plan`.
+        """Load a full state_dict, laid out per `manifest`, from a staged version's `plan`; or, when
+        `manifest.adapter` is set (engines whose `adapters_refused` is ""), a LoRA adapter over the base
+        model, which every later token is sampled and scored under.
 
         Pauses generation (unfinished requests keep their place), loads in place, resets the
         prefix cache, stamps subsequent tokens with `version` and resumes.
@@ -115,6 +117,13 @@ class RolloutEngine(abc.ABC):
         learner rewrites two versions later; a rollout dropped from the next sync calls this so it
         never generates on bytes that change under it. Engines that always copy have nothing to do.
         """
+
+    #: Why this engine cannot serve a LoRA adapter version (WeightVersion.adapter), "" when it can:
+    #: `load_weights` then takes an adapter manifest too, serving it over the base model it started with.
+    adapters_refused: str = (
+        "this engine does not serve LoRA adapters; publish merged weights (learner "
+        "--publish.export-format full)"
+    )
 
     #: Whether the model computes in the rollout's own process (its threads) rather than in processes
     #: the engine starts; only then must the rollout process keep the engine's cores (`service_cpus`).

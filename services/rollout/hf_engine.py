@@ -24,7 +24,8 @@ import torch
 
 from services.common.errors import FailedPrecondition, ResourceExhausted
 from services.common.logging import get_logger
-from services.common.weights import Manifest, dtype_from_name
+from services.common.weights import LoraSpec, Manifest, dtype_from_name
+from services.rollout import adapters
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import (
     FINISH_LENGTH,
@@ -102,6 +103,7 @@ class HfEngine(RolloutEngine):
     """`RolloutEngine` on a transformers causal LM."""
 
     name = "transformers"
+    adapters_refused = ""  # adapter versions are served with peft (adapters.py)
 
     def __init__(self, settings: RolloutSettings) -> None:
         self._settings = settings
@@ -113,6 +115,7 @@ class HfEngine(RolloutEngine):
         self._eos: set[int] = set()
         self._version = 0
         self._borrowed = False  # parameters are views of the learner's buffer (zero-copy cuda_ipc)
+        self._adapter: LoraSpec | None = None  # the LoRA adapter served over the base (adapters.py)
         self._max_model_len = settings.max_model_len
         self._generator: torch.Generator | None = None  # unseeded samples; on the model's device
         self._worker: WorkerContext | None = None  # this process, as weight transports see it
@@ -362,21 +365,27 @@ class HfEngine(RolloutEngine):
     def _swap_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> float:
         """Load a staged version: copied into the parameters (made our own first if they are borrowed),
         or, when the plan offers stable views in this engine's dtype and device (`zero_copy`:
-        cuda_ipc), adopted as the parameters themselves."""
+        cuda_ipc), adopted as the parameters themselves. An adapter version: `_swap_adapter`."""
         started = time.perf_counter()
-        current = self._model.state_dict()
+        if manifest.adapter is not None:
+            self._swap_adapter(plan, manifest, version)
+            return (time.perf_counter() - started) * 1e3
+        shapes = adapters.base_shapes(self._model)
         names = {t.name for t in manifest.tensors}
-        if names != set(current):  # check before touching any weight
+        if names != set(shapes):  # check before touching any weight
             raise FailedPrecondition(
-                f"weights v{version} do not match the model: missing {sorted(set(current) - names)[:5]}, "
-                f"unexpected {sorted(names - set(current))[:5]}"
+                f"weights v{version} do not match the model: missing {sorted(set(shapes) - names)[:5]}, "
+                f"unexpected {sorted(names - set(shapes))[:5]}"
             )
         for entry in manifest.tensors:
-            if tuple(entry.shape) != tuple(current[entry.name].shape):
+            if tuple(entry.shape) != shapes[entry.name]:
                 raise FailedPrecondition(
                     f"weights v{version}: {entry.name} has shape {list(entry.shape)}, "
-                    f"the model {list(current[entry.name].shape)}"
+                    f"the model {list(shapes[entry.name])}"
                 )
+        if self._adapter is not None:  # whole weights after adapter versions: the base model again
+            self._model, self._adapter = adapters.unwrapped(self._model), None
+        current = self._model.state_dict()
         assert self._worker is not None
         with open_tensors(plan, list(manifest.tensors), self._worker) as tensors:
             state = dict(tensors)
@@ -392,6 +401,19 @@ class HfEngine(RolloutEngine):
             torch.cuda.empty_cache()  # the replaced parameters' memory goes back: no second copy held
         self._version = version
         return (time.perf_counter() - started) * 1e3
+
+    def _swap_adapter(self, plan: LoadPlan, manifest: Manifest, version: int) -> None:
+        """Load an adapter version: its tensors copied into the LoRA layers over the unchanged base
+        (the model wrapped first when it is not, or not for this rank / alpha / modules)."""
+        spec = manifest.adapter
+        assert spec is not None and self._worker is not None
+        adapters.check_adapter(self._model, manifest, version)  # before the model changes
+        if spec != self._adapter:
+            self._own()  # borrowed base weights (a cuda_ipc version) would change under the adapter
+            self._model, self._adapter = adapters.wrapped(self._model, spec), spec
+        with open_tensors(plan, list(manifest.tensors), self._worker) as tensors:
+            adapters.load_adapter(self._model, dict(tensors))
+        self._version = version
 
     def _own(self) -> None:
         """Copy borrowed parameters into memory of our own (tensors that shared storage still do)."""

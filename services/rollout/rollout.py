@@ -129,7 +129,9 @@ class Rollout:
         self.rollout_id = settings.rollout_id or f"{socket.gethostname()}-{os.getpid()}"
         self.instance_id = uuid.uuid4().hex[:12]  # a restarted rollout is a new group member
         self._engine = engine or build_engine(settings)
-        self._stager = WeightStager(self.rollout_id, settings.fetch_deadline, self._engine)
+        self._stager = WeightStager(
+            self.rollout_id, settings.fetch_deadline, self._engine, self._engine.adapters_refused
+        )
         self._tokenize_pool = ThreadPoolExecutor(settings.tokenize_threads, thread_name_prefix="tokenize")
         self._tokenizer: Any = None
         self._renderer: TemplateRenderer | None = None

@@ -19,7 +19,7 @@ import dataclasses
 from typing import NoReturn
 
 from services.common.deadlines import TransferDeadline
-from services.common.errors import Aborted, FailedPrecondition
+from services.common.errors import Aborted, FailedPrecondition, GrpoError
 from services.common.logging import get_logger
 from services.transports import EngineWorkers, StageContext, Staged, StageTarget, WeightTransport
 from services.transports import registry as transports
@@ -31,9 +31,15 @@ class WeightStager:
     """The one staged slot, guarded by a lock so stage / take / abort never interleave."""
 
     def __init__(
-        self, rollout_id: str, fetch_deadline: TransferDeadline, workers: EngineWorkers | None = None
+        self,
+        rollout_id: str,
+        fetch_deadline: TransferDeadline,
+        workers: EngineWorkers | None = None,
+        adapters: str = "",
     ) -> None:
+        """`adapters`: why the engine cannot serve a LoRA adapter version ("": it can)."""
         self._fetch_deadline = fetch_deadline
+        self._adapters = adapters
         self._ctx = StageContext(
             rollout_id=rollout_id, fetch_timeout_s=fetch_deadline.floor_s, workers=workers
         )
@@ -53,6 +59,9 @@ class WeightStager:
                 target,
                 f"weight version {target.version} is not newer than the loaded version {current_version}",
             )
+        if target.manifest.adapter is not None and self._adapters:
+            why = f"weight version {target.version} is a LoRA adapter: {self._adapters}"
+            await self._refuse(transport, target, why, FailedPrecondition)
         async with self._lock:
             staged = self._staged
             if staged is not None and self._target == target:
@@ -79,11 +88,14 @@ class WeightStager:
             )
             return fresh
 
-    async def _refuse(self, transport: WeightTransport, target: StageTarget, reason: str) -> NoReturn:
-        """Refuse `target` (Aborted), ending its collective transfer for the whole group at once: the
-        learner's broadcast (and its next train step) must not wait out the join deadline for us."""
+    async def _refuse(
+        self, transport: WeightTransport, target: StageTarget, reason: str, error: type[GrpoError] = Aborted
+    ) -> NoReturn:
+        """Refuse `target` (Aborted unless `error`), ending its collective transfer for the whole group
+        at once: the learner's broadcast (and its next train step) must not wait out the join deadline
+        for us."""
         await transport.refuse(target, f"{self._ctx.rollout_id} refused: {reason}")
-        raise Aborted(reason)
+        raise error(reason)
 
     async def take(self, version: int) -> Staged:
         """Hand the staged `version` to the committer (FailedPrecondition if it is not staged)."""

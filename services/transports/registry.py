@@ -67,10 +67,12 @@ def close_all() -> None:
         transport.close()
 
 
-def describe(prepared: Prepared) -> types_pb2.WeightVersion:
-    """The WeightVersion message of a prepared version: manifest, checksums and its transport field."""
+def describe(prepared: Prepared, adapter: weights.LoraSpec | None = None) -> types_pb2.WeightVersion:
+    """The WeightVersion message of a prepared version: manifest, checksums and its transport field;
+    `adapter` when its tensors are a LoRA adapter (the learner knows; transports move bytes only)."""
     message = types_pb2.WeightVersion(version=prepared.version, parent_version=prepared.version - 1)
     weights.manifest_to_proto(prepared.manifest, message)
+    weights.adapter_to_proto(adapter, message)
     get(prepared.kind).write_descriptor(prepared, message)
     return message
 

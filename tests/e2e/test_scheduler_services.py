@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -37,16 +38,13 @@ GROUPS = 4
 
 
 async def _start_workers(
-    model: Path, rollouts: int, grace: float = 0.5
+    model: Path, rollouts: int, grace: float = 0.5, **learner: dict
 ) -> tuple[RunningServer, RunningServer, list[RunningServer]]:
     env = await start_server(EnvApp(EnvSettings(port=0, env_args=dict(DEMO_TASK))), EnvSettings(port=0))
+    publish = {"collective_timeout_s": 10, "bucket_bytes": 256 << 10, **learner.pop("publish", {})}
+    learner = {"optim": {"lr": 1e-3}, **learner}
     learner_settings = LearnerSettings(
-        model=str(model),
-        device="cpu",
-        dtype="float32",
-        port=0,
-        optim={"lr": 1e-3},
-        publish={"collective_timeout_s": 10, "bucket_bytes": 256 << 10},
+        model=str(model), device="cpu", dtype="float32", port=0, publish=publish, **learner
     )
     learner = await start_server(LearnerApp(learner_settings), learner_settings)
     workers = []
@@ -221,3 +219,58 @@ async def test_nccl_transport_gloo_run_with_two_transformers_rollouts(
         assert {h.version for h in orch.pool.handles()} == {3}
     finally:
         await _close_all(scheduler, *rollouts, learner, env)
+
+
+@pytest.mark.parametrize("transport", ["grpc_stream", "nccl"])
+async def test_lora_versions_travel_as_adapters_and_the_rollouts_sample_under_them(
+    warm_model_dir: Path, tmp_path: Path, transport: str
+) -> None:
+    """With `export_format adapter` every version carries the LoRA tensors only; the rollouts serve
+    them over their base model. The probe after every sync holds the learner's and the rollout's
+    logprobs within 1e-4 (the run fails past the threshold), and the rollout's logprobs are checked
+    against the base model too: a rollout that sampled without the adapter fails this test (the warm
+    model, whose groups have rewards that differ: the adapter moves from the first step)."""
+    lora = {"rank": 4, "alpha": 32.0}
+    env, learner, rollouts = await _start_workers(
+        warm_model_dir, rollouts=1, lora=lora, optim={"lr": 2e-2}, publish={"export_format": "adapter"}
+    )
+    settings = _scheduler_settings(env, learner, rollouts, tmp_path, steps=3, transport=transport)
+    settings = settings.model_copy(update={"alignment_threshold": 1e-4})
+    app = SchedulerApp(settings)
+    scheduler = await start_server(app, settings)
+    try:
+        await asyncio.wait_for(app.run_task, timeout=300)
+        orch = app.orchestrator
+        assert orch.finished and not orch.error, orch.error
+        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["weight_version"] for r in rows] == [1, 2, 3]
+        assert all(r["logprob_abs_diff_max"] is not None and r["logprob_abs_diff_max"] <= 1e-4 for r in rows)
+        # the adapter's bytes, not the model's: 7 modules × 2 layers × (A + B) of rank 4, in fp32
+        full = sum(p.numel() * 4 for p in _base_model(warm_model_dir).state_dict().values())
+        assert all(0 < r["sync_version_bytes"] < full / 10 for r in rows), [
+            r["sync_version_bytes"] for r in rows
+        ]
+        # the rollout samples under the adapter: its logprobs are the learner's, not the base model's
+        prompt, completion = [3, 4, 5, 6], [7, 8, 9, 10, 11, 12]
+        served, served_version = await rollouts[0].app.rollout.score(prompt, completion, 1.0)
+        learned, learned_version = await learner.app.learner.score(prompt, completion, 1.0)
+        assert served_version == learned_version == 3
+        served, learned = torch.tensor(served), torch.tensor(learned)
+        base = _base_logprobs(warm_model_dir, prompt, completion)
+        assert torch.allclose(served, learned, atol=1e-4), (served, learned)
+        assert (served - base).abs().max() > 1e-3, "the rollout's logprobs are the base model's"
+    finally:
+        await _close_all(scheduler, *rollouts, learner, env)
+
+
+def _base_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def _base_logprobs(model_dir: Path, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    logits = _base_model(model_dir)(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)  # [C, V]
+    return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]

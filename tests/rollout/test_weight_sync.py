@@ -128,3 +128,22 @@ async def test_the_fetch_deadline_grows_with_the_versions_bytes() -> None:
         staged = await stager.stage(target, current_version=0)
         assert staged.version == 1
         stager.close()
+
+
+async def test_an_engine_without_adapters_refuses_an_adapter_version_before_fetching_it() -> None:
+    """A rollout whose engine cannot serve LoRA adapters says so at StageWeights (FAILED_PRECONDITION,
+    with what to do), never loads the adapter tensors as if they were the model."""
+    from services.common.weights import LoraSpec, adapter_to_proto
+
+    stager = WeightStager("test", DEADLINE, adapters="publish merged weights")
+    lora = {"x.lora_A.weight": torch.randn(4, 32), "x.lora_B.weight": torch.zeros(64, 4)}
+    async with WeightsServer() as server:
+        message = server.publish(1, Packed(lora))
+        adapter_to_proto(LoraSpec(4, 8.0, ("x",)), message)
+        with pytest.raises(FailedPrecondition, match="version 1 is a LoRA adapter: publish merged weights"):
+            await stager.stage(transports.target_from_proto(message), current_version=0)
+        assert stager.staged_version == -1
+        whole = WeightStager("test", DEADLINE)  # an engine that serves them stages it like any version
+        assert (await whole.stage(transports.target_from_proto(message), current_version=0)).version == 1
+        whole.close()
+    stager.close()

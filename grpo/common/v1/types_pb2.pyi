@@ -374,8 +374,18 @@ class CheckpointTransport(_message.Message):
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
+class LoraAdapter(_message.Message):
+    __slots__ = ("rank", "alpha", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class WeightVersion(_message.Message):
-    __slots__ = ("version", "parent_version", "tensors", "buckets", "total_bytes", "checksum_algorithm", "delta_base_version", "delta_base_digest", "grpc_stream", "shared_memory", "cuda_ipc", "nccl", "checkpoint")
+    __slots__ = ("version", "parent_version", "tensors", "buckets", "total_bytes", "checksum_algorithm", "delta_base_version", "delta_base_digest", "adapter", "grpc_stream", "shared_memory", "cuda_ipc", "nccl", "checkpoint")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +394,7 @@ class WeightVersion(_message.Message):
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     GRPC_STREAM_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
@@ -397,12 +408,13 @@ class WeightVersion(_message.Message):
     checksum_algorithm: ChecksumAlgorithm
     delta_base_version: int
     delta_base_digest: str
+    adapter: LoraAdapter
     grpc_stream: GrpcStreamTransport
     shared_memory: SharedMemoryTransport
     cuda_ipc: CudaIpcTransport
     nccl: NcclTransport
     checkpoint: CheckpointTransport
-    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., delta_base_version: _Optional[int] = ..., delta_base_digest: _Optional[str] = ..., grpc_stream: _Optional[_Union[GrpcStreamTransport, _Mapping]] = ..., shared_memory: _Optional[_Union[SharedMemoryTransport, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcTransport, _Mapping]] = ..., nccl: _Optional[_Union[NcclTransport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointTransport, _Mapping]] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., delta_base_version: _Optional[int] = ..., delta_base_digest: _Optional[str] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ..., grpc_stream: _Optional[_Union[GrpcStreamTransport, _Mapping]] = ..., shared_memory: _Optional[_Union[SharedMemoryTransport, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcTransport, _Mapping]] = ..., nccl: _Optional[_Union[NcclTransport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointTransport, _Mapping]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("version", "bucket", "offset", "data", "encoding", "payload_bytes")

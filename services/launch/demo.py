@@ -138,6 +138,12 @@ class DemoSettings(BaseSettings):
     )
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     lora_rank: int = Field(default=0, ge=0, description="LoRA rank; 0 = full fine-tune.")
+    lora_sync: Literal["adapter", "merged"] = Field(
+        default="adapter",
+        description="With LoRA, what a weight version carries: the adapter tensors alone, which the "
+        "rollouts serve over their base model (vLLM's LoRA support, peft on the transformers engine), "
+        "or the whole model with the adapter merged in (docs/weight-sync.md).",
+    )
     transport: ImplementedTransport = Field(
         default=TransportKind.grpc_stream,
         description="Weight transport: grpc_stream, shared_memory, nccl (Gloo on CPU); cuda_ipc needs a GPU.",
@@ -215,6 +221,7 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
     if cfg.metrics:
         shared["telemetry"] = {"metrics_port": 0}
     external = cfg.external
+    adapters = cfg.lora_rank > 0 and cfg.lora_sync == "adapter"
     return {
         **shared,
         "env": {"spec": cfg.env, "env_args": env_args, "env_arg": cfg.env_arg, **seed},
@@ -235,7 +242,7 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
                 "min_lr_ratio": cfg.min_lr_ratio,
             },
             "lora": {"rank": cfg.lora_rank},
-            "publish": {"export_dtype": cfg.dtype},
+            "publish": {"export_dtype": cfg.dtype, "export_format": "adapter" if adapters else "full"},
             # a restarted learner resumes from its newest checkpoint (and a fresh run has none)
             "checkpoint": {
                 "dir": str(run_dir / "checkpoints"),
@@ -249,7 +256,7 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
             **seed,
             "dtype": cfg.dtype,
             "max_in_flight": rollout_in_flight(cfg),
-            "vllm": {"kv_cache_space_gib": 1},
+            "vllm": {"kv_cache_space_gib": 1, "max_lora_rank": cfg.lora_rank if adapters else 0},
             "hf": {"device": cfg.device},
         },
         "scheduler": {

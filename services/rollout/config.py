@@ -49,6 +49,14 @@ class VllmConfig(_Section):
             "a rollout's few cores they take CPU from the model (tiny model: 16 % of generation time)."
         ),
     )
+    max_lora_rank: int = Field(
+        default=0,
+        ge=0,
+        le=512,
+        description="Serve LoRA adapter versions (the learner's --publish.export-format adapter) up to this "
+        "rank: vLLM's LoRA support with the policy as one in-memory adapter, replaced in place per "
+        "version (vllm_adapters.py); 0 = off: adapter versions are refused, merged weights only.",
+    )
     pause_mode: Literal["keep", "wait", "abort"] = Field(
         default="keep",
         description=(

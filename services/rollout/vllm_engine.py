@@ -21,6 +21,8 @@
   `vllm_worker_ext.GrpoWorkerExtension.grpo_load_weights` on every worker (which opens the staged
   version's transport `LoadPlan` there) → reset prefix cache and new version label (together) →
   `resume_generation()`.
+- LoRA adapter versions (`[rollout.vllm] max_lora_rank` > 0): every request names the policy's one
+  in-memory adapter, which an adapter version replaces in place in the same pause (`vllm_adapters`).
 - Scoring: vLLM's *prompt* logprobs skip the sampler, i.e. they are log_softmax(logits) without
   temperature in every logprobs mode (verified in vllm 0.32 `gpu_model_runner._get_prompt_logprobs_dict`).
   So T == 1 uses one prompt-logprobs request over prompt+completion (exact); T != 1 teacher-forces
@@ -52,6 +54,7 @@ from typing import Any
 from services.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from services.common.logging import get_logger
 from services.common.weights import Manifest, manifest_to_plain
+from services.rollout import vllm_adapters
 from services.rollout.config import RolloutSettings
 from services.rollout.engine import (
     FINISH_ABORT,
@@ -64,6 +67,7 @@ from services.rollout.engine import (
 )
 from services.rollout.lifetime import mark_owner
 from services.rollout.spans import spans_from_labels
+from services.rollout.vllm_outputs import completion_text, fast_decoder, sampled_logprobs, token_logprob
 from services.rollout.vllm_seeded import INSTALLED
 from services.transports import LoadPlan
 
@@ -71,74 +75,6 @@ log = get_logger(__name__)
 
 WORKER_EXTENSION = "services.rollout.vllm_worker_ext.GrpoWorkerExtension"
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
-
-
-def _token_logprob(position: Any, token: int) -> float:
-    """Logprob of `token` in one position of vLLM logprobs ({id: Logprob} or a flat view of it)."""
-    entry = position[token]
-    return float(entry.logprob)
-
-
-def _fast_decoder(tokenizer: Any) -> Any:
-    """The Rust tokenizer vLLM's `FastIncrementalDetokenizer` decodes with, or None (slow tokenizer)."""
-    if tokenizer is None:
-        return None
-    from vllm.v1.engine.detokenizer import uses_fast_detokenizer
-
-    return tokenizer._tokenizer if uses_fast_detokenizer(tokenizer) else None
-
-
-def completion_text(decoder: Any, prompt_token_ids: list[int], token_ids: list[int], stop: bool) -> str:
-    """The text vLLM's fast detokenizer gives a finished completion (no stop strings, special tokens
-    skipped): a `DecodeStream` primed with the prompt, fed the completion; a completion that ended
-    on a stop token (`stop`) leaves that token out, as vLLM does.
-
-    One `step` with all tokens gives the same text as vLLM's step per token, unless the last tokens
-    leave a character unfinished: then (and on a decoder error) per token, with vLLM's recovery.
-    """
-    from tokenizers.decoders import DecodeStream
-
-    ids = list(token_ids[:-1] if stop else token_ids)
-    if not ids:
-        return ""
-    try:
-        text = DecodeStream(ids=prompt_token_ids, skip_special_tokens=True).step(decoder, ids)
-    except Exception:
-        text = None
-    if text is not None:
-        return text
-    stream, pieces = DecodeStream(ids=prompt_token_ids, skip_special_tokens=True), []
-    for token in ids:
-        try:
-            piece = stream.step(decoder, token)
-        except (OverflowError, TypeError):
-            piece = None
-        except Exception as exc:
-            if not str(exc).startswith("Invalid prefix encountered"):
-                raise
-            stream = DecodeStream(skip_special_tokens=True)
-            piece = stream.step(decoder, token)
-        pieces.append(piece or "")
-    return "".join(pieces)
-
-
-def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
-    """The logprob of each sampled token from a completion's logprobs (`logprobs=0`).
-
-    With `flat_logprobs` and no top-k alternatives vLLM keeps exactly one entry per position, the
-    sampled token: its flat `logprobs` list is the answer as is. Anything else (per-position dicts,
-    extra entries) is read position by position.
-    """
-    if not logprobs:
-        if token_ids:
-            raise RuntimeError(f"vLLM returned no logprobs for {len(token_ids)} tokens")
-        return []
-    flat = getattr(logprobs, "logprobs", None)
-    if flat is not None and len(flat) == len(token_ids) and logprobs.token_ids == token_ids:
-        return flat
-    if len(logprobs) != len(token_ids):
-        raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
-    return [_token_logprob(logprobs[i], t) for i, t in enumerate(token_ids)]
 
 
 class VllmEngine(RolloutEngine):
@@ -160,6 +96,18 @@ class VllmEngine(RolloutEngine):
         self._watch: asyncio.Task[None] | None = None  # `_watch_engine`
         self._broken = ""  # why the engine may not be used any more (a load that missed its deadline)
         self._seeds_refused = ""  # why seeded requests are refused ("" = they are served)
+        # LoRA on: the adapter every request names, and the model's shapes to check versions against
+        self._lora: Any = None
+        self._meta: Any = None
+
+    @property
+    def adapters_refused(self) -> str:  # type: ignore[override]
+        if self._settings.vllm.max_lora_rank:
+            return ""
+        return (
+            "this rollout's vLLM engine serves no LoRA adapters: start it with --vllm.max-lora-rank "
+            "(≥ the adapter's rank), or publish merged weights (learner --publish.export-format full)"
+        )
 
     async def start(self) -> None:
         settings, options = self._settings, self._settings.vllm
@@ -202,15 +150,23 @@ class VllmEngine(RolloutEngine):
             # The rollout never reads vLLM's statistics (it has no API server to log or export them):
             # collecting them costs front-end CPU per step and per request.
             disable_log_stats=True,
+            **self._lora_args(),
         )
         started = time.perf_counter()
         # Built in a thread so the server keeps answering health checks during the (long) engine
         # start; vLLM starts its output tasks lazily on this loop at the first call below.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
-        self._text_decoder = _fast_decoder(self._llm.tokenizer)
+        self._text_decoder = fast_decoder(self._llm.tokenizer)
         await self.set_weight_version(0)
         self._workers = len(await self._llm.collective_rpc("grpo_worker_rank", timeout=60))
         await self._guard_seeds()
+        if options.max_lora_rank:
+            rank = vllm_adapters.vllm_rank(options.max_lora_rank)
+            await self._llm.collective_rpc("grpo_serve_adapters", timeout=60, kwargs={"rank": rank})
+            self._lora = vllm_adapters.policy_request()
+            self._meta = await asyncio.to_thread(
+                vllm_adapters.meta_model, settings.model, settings.trust_remote_code
+            )
         self._watch = asyncio.create_task(self._watch_engine())
         log.info(
             "vllm engine started",
@@ -218,6 +174,14 @@ class VllmEngine(RolloutEngine):
             max_model_len=self.max_model_len,
             start_s=round(time.perf_counter() - started, 2),
         )
+
+    def _lora_args(self) -> dict[str, Any]:
+        """vLLM's LoRA arguments: one adapter slot (the policy's, `vllm_adapters`), or none."""
+        rank = self._settings.vllm.max_lora_rank
+        if not rank:
+            return {}
+        return {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1,
+                "max_lora_rank": vllm_adapters.vllm_rank(rank)}  # fmt: skip
 
     async def _guard_seeds(self) -> None:
         """Install the seeded-sampling guard in every worker (`vllm_seeded`: without it a seeded
@@ -283,13 +247,15 @@ class VllmEngine(RolloutEngine):
         if sampling.seed and self._seeds_refused:
             raise InvalidArgument(self._seeds_refused)
         params = self._sampling_params(sampling)
-        stream = self._llm.generate(self._engine_input(prompt_token_ids), params, request_id)
+        stream = self._llm.generate(
+            self._engine_input(prompt_token_ids), params, request_id, lora_request=self._lora
+        )
         try:
             async for output in stream:
                 finished = []  # the samples this output ends: one message for all of them
                 for out in output.outputs:
                     token_ids, text = out.token_ids, out.text
-                    logprobs = _sampled_logprobs(out.logprobs, token_ids)
+                    logprobs = sampled_logprobs(out.logprobs, token_ids)
                     parts = pending.get(out.index)
                     if parts is None and out.finish_reason is None:  # its first token
                         parts = pending[out.index] = ([], [], [])
@@ -345,11 +311,12 @@ class VllmEngine(RolloutEngine):
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )  # fmt: skip
             final = None
-            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=ids), params, tag):
+            prompt = TokensPrompt(prompt_token_ids=ids)
+            async for output in self._llm.generate(prompt, params, tag, lora_request=self._lora):
                 final = output
             if final is None or final.prompt_logprobs is None:
                 raise RuntimeError("vLLM returned no prompt logprobs")
-            return [_token_logprob(final.prompt_logprobs[j], ids[j]) for j in range(start, len(ids))]
+            return [token_logprob(final.prompt_logprobs[j], ids[j]) for j in range(start, len(ids))]
 
         async def one(position: int) -> float:
             params = SamplingParams(
@@ -358,11 +325,13 @@ class VllmEngine(RolloutEngine):
             )  # fmt: skip
             final = None
             prompt = TokensPrompt(prompt_token_ids=ids[:position])
-            async for output in self._llm.generate(prompt, params, f"{tag}/{position}"):
+            async for output in self._llm.generate(
+                prompt, params, f"{tag}/{position}", lora_request=self._lora
+            ):
                 final = output
             if final is None or not final.outputs or not final.outputs[0].logprobs:
                 raise RuntimeError(f"vLLM returned no logprobs for scored position {position}")
-            return _token_logprob(final.outputs[0].logprobs[0], ids[position])
+            return token_logprob(final.outputs[0].logprobs[0], ids[position])
 
         last = await one(len(ids) - 1)  # fills the prefix cache for the shorter prefixes
         rest = await asyncio.gather(*(one(j) for j in range(start, len(ids) - 1)))
@@ -374,6 +343,10 @@ class VllmEngine(RolloutEngine):
     async def load_weights(self, plan: LoadPlan, manifest: Manifest, version: int) -> LoadTimings:
         # Plain data only: vLLM's msgpack RPC carries no dtypes objects and no pickle.
         kwargs = {"kind": plan.kind.value, "spec": plan.spec, "manifest": manifest_to_plain(manifest)}
+        method = "grpo_load_weights"
+        if manifest.adapter is not None:  # the policy adapter replaced in place (vllm_adapters)
+            vllm_adapters.check_adapter(self._meta, manifest, version, self._settings.vllm.max_lora_rank)
+            method = "grpo_load_adapter"
         deadline_s = self._settings.load_deadline.for_bytes(manifest.total_bytes)
         async with self._update_lock:
             self._check_usable()
@@ -383,7 +356,7 @@ class VllmEngine(RolloutEngine):
             try:
                 loading = time.perf_counter()
                 load = asyncio.ensure_future(
-                    self._llm.collective_rpc("grpo_load_weights", timeout=deadline_s, kwargs=kwargs)
+                    self._llm.collective_rpc(method, timeout=deadline_s, kwargs=kwargs)
                 )
                 try:
                     results = await asyncio.wait_for(asyncio.shield(load), deadline_s)

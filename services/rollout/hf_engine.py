@@ -408,11 +408,12 @@ class HfEngine(RolloutEngine):
         spec = manifest.adapter
         assert spec is not None and self._worker is not None
         adapters.check_adapter(self._model, manifest, version)  # before the model changes
+        with open_tensors(plan, list(manifest.tensors), self._worker) as tensors:
+            state = {name: t.detach().clone() for name, t in tensors}  # read whole before any change
         if spec != self._adapter:
             self._own()  # borrowed base weights (a cuda_ipc version) would change under the adapter
             self._model, self._adapter = adapters.wrapped(self._model, spec), spec
-        with open_tensors(plan, list(manifest.tensors), self._worker) as tensors:
-            adapters.load_adapter(self._model, dict(tensors))
+        adapters.load_adapter(self._model, state)
         self._version = version
 
     def _own(self) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from services.common import weights
 from services.rollout.lifetime import die_with_owner
-from services.rollout.vllm_adapters import InMemoryAdapter
+from services.rollout.vllm_adapters import InMemoryAdapter, one_adapter_ops
 from services.rollout.vllm_seeded import guard_seeded_sampling
 from services.transports import LoadPlan, TransportKind, WorkerContext
 from services.transports.registry import open_tensors, worker_op
@@ -84,6 +84,8 @@ class GrpoWorkerExtension:
         """Serve the policy adapter (`vllm_adapters.POLICY_PATH`) from memory, the zero one of `rank`
         until an adapter version loads."""
         self._grpo_adapter = InMemoryAdapter(self.model_runner.lora_manager, rank)  # type: ignore[attr-defined]
+        if str(getattr(self.device, "type", self.device)) == "cpu":  # type: ignore[attr-defined]
+            one_adapter_ops()
         return True
 
     def grpo_load_adapter(

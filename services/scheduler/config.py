@@ -116,6 +116,13 @@ class SchedulerSettings(ServiceSettings):
     alignment_action: Literal["fail", "warn"] = Field(
         default="fail", description="What to do when the alignment probe exceeds the threshold."
     )
+    alignment_probe_temperature: float = Field(
+        default=1.0,
+        ge=0,
+        description="Temperature the probe is scored at on both sides; 0 = the run's sampling temperature. "
+        "At 1.0 vLLM scores it in one request (prompt logprobs); at another temperature it takes one "
+        "request per token, which on a busy CPU rollout can take longer than the probe's deadline.",
+    )
     alignment_probe_tokens: int = Field(
         default=32,
         ge=1,

@@ -2,7 +2,9 @@
 sequence and must agree on its logprobs (max |Δ| ≤ `alignment_threshold`; fp32 keeps it ≤ 1e-4).
 
 The probe is made once per scheduler start: one seeded completion (at most `alignment_probe_tokens`
-long) of the env's first eval prompt, from the first rollout that answers. For a multi-turn env it is
+long) of the env's first eval prompt, from the first rollout that answers, scored at
+`alignment_probe_temperature` (1.0: vLLM answers in one prompt-logprobs request; the temperature
+scaling of behaviour logprobs is held to 1e-4 by the engines' own tests). For a multi-turn env it is
 an episode in token space, exactly as training builds them: that completion, an environment turn
 appended as tokens (`render_bridge` of a user message) and a second model turn generated token-in, so
 the check covers the long mixed sequences that are trained. A row's `logprob_abs_diff_max` is the
@@ -108,9 +110,13 @@ class AlignmentProbe:
         self.sequence = types_pb2.TokenSequence(
             prompt_token_ids=prompt_ids,
             completion_token_ids=tokens,
-            temperature=sampling.temperature,
+            temperature=self._temperature(sampling.temperature),
         )
         return self.sequence
+
+    def _temperature(self, sampled_at: float) -> float:
+        """What the probe is scored at: `alignment_probe_temperature`, or (0) the sampling one."""
+        return self.settings.alignment_probe_temperature or sampled_at
 
     def make_from(self, group: ScoredGroup) -> types_pb2.TokenSequence:
         """The probe for source = external: the first sequence of a submitted group (its prompt and at
@@ -126,7 +132,9 @@ class AlignmentProbe:
             if t.source == types_pb2.TURN_SOURCE_ENV and t.start < len(tokens)
         ]
         self.sequence = types_pb2.TokenSequence(
-            prompt_token_ids=prompt_ids, completion_token_ids=tokens, temperature=temperature
+            prompt_token_ids=prompt_ids,
+            completion_token_ids=tokens,
+            temperature=self._temperature(temperature),
         )
         return self.sequence
 

@@ -1,5 +1,6 @@
 """The post-sync probe against in-memory peers: a multi-turn probe's environment tokens are reported
-apart from the sampled ones, every token is held to the threshold, and a probe no one answered is NaN."""
+apart from the sampled ones, every token is held to the threshold, a probe no one answered is NaN, and
+the probe is scored at `alignment_probe_temperature`."""
 
 from __future__ import annotations
 
@@ -61,3 +62,11 @@ async def test_a_probe_no_rollout_answered_is_nan_on_both() -> None:
     result = await probe.check([], 0)
     assert math.isnan(result.sampled) and math.isnan(result.env) and math.isnan(result.worst)
     assert Alignment(sampled=1e-6).worst == 1e-6  # a single-turn probe has no environment tokens
+
+
+async def test_the_probe_is_scored_at_its_own_temperature_or_the_sampling_one() -> None:
+    """Default 1.0 (one prompt-logprobs request on vLLM); 0 = the run's sampling temperature."""
+    probe, _ = await _probe(FakeRollout("r"), sampling={"temperature": 0.7})
+    assert probe.sequence.temperature == 1.0
+    probe, _ = await _probe(FakeRollout("r"), sampling={"temperature": 0.7}, alignment_probe_temperature=0)
+    assert probe.sequence.temperature == pytest.approx(0.7)

@@ -104,3 +104,11 @@ def test_lora_versions_are_adapters_unless_merged_is_asked_for() -> None:
         learner = LearnerSettings.model_validate(config["learner"])
         rollout = RolloutSettings.model_validate(config["rollout"])
         assert (learner.publish.export_format, rollout.vllm.max_lora_rank) == (fmt, rank)
+
+
+def test_a_real_models_probe_has_the_time_a_busy_rollout_needs() -> None:
+    from services.scheduler.config import SchedulerSettings
+
+    real = SchedulerSettings.model_validate(run_config(DemoSettings(model="some/model"), "d")["scheduler"])
+    tiny = SchedulerSettings.model_validate(run_config(DemoSettings(), "d")["scheduler"])
+    assert real.timeouts.probe == 60.0 and tiny.timeouts.probe == SchedulerSettings().timeouts.probe

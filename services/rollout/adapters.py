@@ -81,17 +81,21 @@ def check_adapter(model: Any, manifest: Manifest, version: int) -> None:
         modules = list(manifest.adapter.target_modules)
         raise FailedPrecondition(f"adapter v{version}: none of its target modules {modules} is a linear "
                                  "layer of this model")  # fmt: skip
+    check_layout(manifest, expected, f"adapter v{version}")
+
+
+def check_layout(manifest: Manifest, expected: dict[str, tuple[int, ...]], label: str) -> None:
+    """The version's tensors are exactly `expected`'s names, shape for shape (FailedPrecondition)."""
     names = {t.name for t in manifest.tensors}
     if names != set(expected):
         raise FailedPrecondition(
-            f"adapter v{version} does not match the model: missing {sorted(set(expected) - names)[:5]}, "
+            f"{label} does not match the model: missing {sorted(set(expected) - names)[:5]}, "
             f"unexpected {sorted(names - set(expected))[:5]}"
         )
     for t in manifest.tensors:
         if tuple(t.shape) != expected[t.name]:
             raise FailedPrecondition(
-                f"adapter v{version}: {t.name} has shape {list(t.shape)}, "
-                f"the adapter {list(expected[t.name])}"
+                f"{label}: {t.name} has shape {list(t.shape)}, the model {list(expected[t.name])}"
             )
 
 

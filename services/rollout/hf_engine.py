@@ -370,19 +370,8 @@ class HfEngine(RolloutEngine):
         if manifest.adapter is not None:
             self._swap_adapter(plan, manifest, version)
             return (time.perf_counter() - started) * 1e3
-        shapes = adapters.base_shapes(self._model)
-        names = {t.name for t in manifest.tensors}
-        if names != set(shapes):  # check before touching any weight
-            raise FailedPrecondition(
-                f"weights v{version} do not match the model: missing {sorted(set(shapes) - names)[:5]}, "
-                f"unexpected {sorted(names - set(shapes))[:5]}"
-            )
-        for entry in manifest.tensors:
-            if tuple(entry.shape) != shapes[entry.name]:
-                raise FailedPrecondition(
-                    f"weights v{version}: {entry.name} has shape {list(entry.shape)}, "
-                    f"the model {list(shapes[entry.name])}"
-                )
+        # checked before any weight is touched
+        adapters.check_layout(manifest, adapters.base_shapes(self._model), f"weights v{version}")
         if self._adapter is not None:  # whole weights after adapter versions: the base model again
             self._model, self._adapter = adapters.unwrapped(self._model), None
         current = self._model.state_dict()

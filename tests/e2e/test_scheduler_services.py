@@ -209,16 +209,22 @@ async def test_nccl_transport_gloo_run_with_two_transformers_rollouts(
     app = SchedulerApp(settings)
     scheduler = await start_server(app, settings)
     try:
-        await asyncio.wait_for(app.run_task, timeout=300)
-        orch = app.orchestrator
-        assert orch.finished and not orch.error, orch.error
-        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-        assert [r["weight_version"] for r in rows] == [1, 2, 3]
+        rows = await _three_aligned_steps(app, tmp_path)
         assert all(r["weight_transport"] == "nccl" and r["rollouts_synced"] == 2 for r in rows)
-        assert all(r["logprob_abs_diff_max"] is not None and r["logprob_abs_diff_max"] <= 1e-4 for r in rows)
-        assert {h.version for h in orch.pool.handles()} == {3}
+        assert {h.version for h in app.orchestrator.pool.handles()} == {3}
     finally:
         await _close_all(scheduler, *rollouts, learner, env)
+
+
+async def _three_aligned_steps(app: SchedulerApp, run_dir: Path) -> list[dict]:
+    """The run's step rows once it finished: versions 1, 2, 3, each probed within 1e-4."""
+    await asyncio.wait_for(app.run_task, timeout=300)
+    orch = app.orchestrator
+    assert orch.finished and not orch.error, orch.error
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weight_version"] for r in rows] == [1, 2, 3]
+    assert all(r["logprob_abs_diff_max"] is not None and r["logprob_abs_diff_max"] <= 1e-4 for r in rows)
+    return rows
 
 
 @pytest.mark.parametrize("transport", ["grpc_stream", "nccl"])
@@ -239,12 +245,7 @@ async def test_lora_versions_travel_as_adapters_and_the_rollouts_sample_under_th
     app = SchedulerApp(settings)
     scheduler = await start_server(app, settings)
     try:
-        await asyncio.wait_for(app.run_task, timeout=300)
-        orch = app.orchestrator
-        assert orch.finished and not orch.error, orch.error
-        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-        assert [r["weight_version"] for r in rows] == [1, 2, 3]
-        assert all(r["logprob_abs_diff_max"] is not None and r["logprob_abs_diff_max"] <= 1e-4 for r in rows)
+        rows = await _three_aligned_steps(app, tmp_path)
         # the adapter's bytes, not the model's: 7 modules × 2 layers × (A + B) of rank 4, in fp32
         full = sum(p.numel() * 4 for p in _base_model(warm_model_dir).state_dict().values())
         assert all(0 < r["sync_version_bytes"] < full / 10 for r in rows), [

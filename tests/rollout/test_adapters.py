@@ -106,7 +106,7 @@ async def _check_refusals(server, learner: WeightsServer, model) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await server.stub.CommitWeights(rollout_pb2.CommitWeightsRequest(version=3), timeout=TIMEOUT)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "lora_A.weight has shape [4, 128], the adapter [8, 128]" in info.value.details(), (
+    assert "lora_A.weight has shape [4, 128], the model [8, 128]" in info.value.details(), (
         info.value.details()
     )
     await server.stub.AbortWeights(rollout_pb2.AbortWeightsRequest(version=3), timeout=TIMEOUT)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from services.common.errors import FailedPrecondition
-from services.common.weights import Manifest
+from services.common.weights import LoraSpec, Manifest
 from services.rollout import adapters
 
 POLICY_NAME, POLICY_ID, POLICY_PATH = "grpo-policy", 1, "grpo-inmem://policy"
@@ -82,7 +82,7 @@ class InMemoryAdapter:
         self.manager = manager  # the model runner's LRUCacheWorkerLoRAManager
         self.rank = rank  # of the zero adapter served before any version
         self.tensors: dict[str, torch.Tensor] | None = None
-        self.lora_rank, self.alpha, self.modules = 0, 0.0, ()
+        self.spec: LoraSpec | None = None  # of `tensors`
         self._load_file = manager._load_adapter
         manager._load_adapter = self._load  # vLLM's loader, for our path only
 
@@ -90,7 +90,7 @@ class InMemoryAdapter:
         if request.lora_path != POLICY_PATH:
             return self._load_file(request)
         manager = self.manager
-        if self.tensors is None:  # zeros: the base model's outputs
+        if self.tensors is None or self.spec is None:  # zeros: the base model's outputs
             return manager._adapter_manager.create_dummy_lora(
                 request.lora_int_id, self.rank, manager.embedding_modules
             )
@@ -99,9 +99,9 @@ class InMemoryAdapter:
 
         helper = PEFTHelper.from_dict(
             {
-                "r": self.lora_rank,
-                "lora_alpha": self.alpha,
-                "target_modules": list(self.modules),
+                "r": self.spec.rank,
+                "lora_alpha": self.spec.alpha,
+                "target_modules": list(self.spec.target_modules),
                 "vllm_max_position_embeddings": manager.max_position_embeddings,
             }
         )
@@ -119,11 +119,10 @@ class InMemoryAdapter:
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
 
-    def set(self, tensors: dict[str, torch.Tensor] | None, rank: int = 0, alpha: float = 0.0,
-            modules: tuple[str, ...] = ()) -> None:  # fmt: skip
+    def set(self, tensors: dict[str, torch.Tensor] | None, spec: LoraSpec | None = None) -> None:
         """Serve these adapter tensors from now on (None: the zero adapter again), replacing the loaded
         adapter at once (generation is paused by the caller)."""
-        self.tensors, self.lora_rank, self.alpha, self.modules = tensors, rank, alpha, modules
+        self.tensors, self.spec = tensors, spec
         self.manager._adapter_manager.remove_adapter(POLICY_ID)
         self.manager.add_adapter(policy_request())
 

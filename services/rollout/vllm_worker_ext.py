@@ -101,7 +101,7 @@ class GrpoWorkerExtension:
         entries = list(plain.tensors)
         with open_tensors(LoadPlan(TransportKind(kind), spec), entries, self._grpo_worker()) as tensors:
             kept = {name: t.detach().to("cpu", copy=True) for name, t in tensors}  # the views die here
-        self._grpo_adapter.set(kept, lora.rank, lora.alpha, lora.target_modules)
+        self._grpo_adapter.set(kept, lora)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return {"worker_load_ms": (time.perf_counter() - started) * 1e3, "tensors": float(len(entries))}

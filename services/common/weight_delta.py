@@ -12,6 +12,10 @@ bf16/fp16) in the smaller of two encodings, or the whole bucket when neither is 
 `apply` rewrites a copy of the base in place. What it produces is only trusted once it matches the
 bucket's checksum in the new version's manifest (the caller checks, as for any received bucket), so
 a delta applied to the wrong base is refused rather than loaded.
+
+`encode_tensor` / `apply_tensor` are the same encodings (byte for byte) on uint8 torch tensors of
+DELTA_WORD words, on any device: the nccl transport diffs and rebuilds buckets where they are (a GPU
+for NCCL, the host for Gloo) instead of copying them out.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from services.common.checksums import ChecksumAlgorithm, digest
 from services.common.errors import DataLoss, InvalidArgument
@@ -83,6 +88,10 @@ def sizes(words: int, changed: int, word: int) -> dict[Encoding, int]:
     }
 
 
+def _best(cost: dict[Encoding, int]) -> Encoding:
+    return min(cost, key=lambda e: (cost[e], e))  # ties: FULL first (nothing to decode)
+
+
 def encode(base: bytes | bytearray | memoryview, new: bytes | bytearray | memoryview, word: int) -> Delta:
     """The smallest encoding of `new` against `base` (same length), comparing `word`-byte words."""
     if len(base) != len(new):
@@ -92,7 +101,7 @@ def encode(base: bytes | bytearray | memoryview, new: bytes | bytearray | memory
     indices = np.flatnonzero(mask)  # [changed], ascending
     changed = int(indices.size)
     cost = sizes(len(new_words), changed, word)
-    best = min(cost, key=lambda e: (cost[e], e))  # ties: FULL first (nothing to decode)
+    best = _best(cost)
     if best is Encoding.FULL:
         return Delta(Encoding.FULL, memoryview(new).cast("B"), len(new_words))
     values = new_words[indices].tobytes()  # [changed] words, in index order
@@ -139,3 +148,64 @@ def apply(target: bytearray | memoryview, delta: Delta, word: int) -> int:
         out[mask] = np.frombuffer(values, dtype=words.dtype)
         return n
     raise InvalidArgument(f"unknown delta encoding {delta.encoding!r}")
+
+
+# ---------------------------------------------------------------------------------------------- torch
+
+_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)  # little-endian bit order within a bitmap byte
+
+
+def encode_tensor(base: torch.Tensor, new: torch.Tensor) -> tuple[Encoding, torch.Tensor | None, int]:
+    """`encode` of two uint8 buckets of one length (DELTA_WORD words) on their own device: the
+    encoding, its payload (uint8, on that device; None for FULL: the bucket itself) and the words
+    that changed. The payload bytes equal `encode`'s for the same buckets (little-endian devices)."""
+    if base.numel() != new.numel() or new.numel() % DELTA_WORD:
+        raise InvalidArgument(f"a delta needs buckets of one size in words: {base.numel()}, {new.numel()} B")
+    old_words, new_words = base.view(torch.int16), new.view(torch.int16)  # [words]
+    mask = old_words != new_words  # [words]
+    changed = int(mask.sum())
+    best = _best(sizes(new_words.numel(), changed, DELTA_WORD))
+    if best is Encoding.FULL:
+        return best, None, new_words.numel()
+    values = new_words[mask].view(torch.uint8)  # [changed · 2], in index order
+    if best is Encoding.INDICES:
+        indices = mask.nonzero().flatten().to(torch.int32).view(torch.uint8)  # [changed · 4]
+        return best, torch.cat([indices, values]), changed
+    padded = torch.nn.functional.pad(mask, (0, -mask.numel() % 8)).view(-1, 8)  # [ceil(words / 8), 8]
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
+    bitmap = (padded.to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)  # [ceil(words / 8)]
+    return best, torch.cat([bitmap, values]), changed
+
+
+def apply_tensor(target: torch.Tensor, encoding: Encoding, payload: torch.Tensor) -> int:
+    """`apply` on a uint8 bucket tensor (the base, rewritten in place) from a uint8 payload on the
+    same device; returns the words written. A payload that does not fit is DataLoss."""
+    words = target.view(torch.int16)  # [words], a view of `target`
+    if encoding is Encoding.FULL:
+        if payload.numel() != target.numel():
+            raise DataLoss(f"a full bucket carries {payload.numel()} bytes, the bucket has {target.numel()}")
+        target.copy_(payload)
+        return words.numel()
+    if encoding is Encoding.INDICES:
+        per = _INDEX.itemsize + DELTA_WORD
+        if payload.numel() % per:
+            raise DataLoss(f"an index delta of {payload.numel()} bytes is not whole (index, word) pairs")
+        n = payload.numel() // per
+        indices = payload[: n * _INDEX.itemsize].view(torch.int32).long()  # [n]
+        if n and int(indices.max()) >= words.numel():
+            raise DataLoss(f"an index delta names word {int(indices.max())} of a {words.numel()}-word bucket")
+        words[indices] = payload[n * _INDEX.itemsize :].view(torch.int16)
+        return n
+    if encoding is Encoding.BITMAP:
+        map_bytes = (words.numel() + 7) // 8
+        if payload.numel() < map_bytes:
+            raise DataLoss(f"a bitmap delta of {payload.numel()} bytes is shorter than its {map_bytes} B map")
+        shifts = torch.arange(8, dtype=torch.uint8, device=payload.device)
+        mask = ((payload[:map_bytes, None] >> shifts) & 1).flatten()[: words.numel()].bool()  # [words]
+        values = payload[map_bytes:].clone()  # an odd map leaves the values unaligned for int16
+        n = int(mask.sum())
+        if values.numel() != n * DELTA_WORD:
+            raise DataLoss(f"a bitmap delta marks {n} words but carries {values.numel()} bytes of values")
+        words[mask] = values.view(torch.int16)
+        return n
+    raise InvalidArgument(f"unknown delta encoding {encoding!r}")

@@ -179,8 +179,9 @@ class PublishConfig(_Section):
     )
     delta: bool = Field(
         default=True,
-        description="grpc_stream, bf16/fp16 export: keep the last packed version and let a rollout that "
-        "holds it fetch the next one as sparse deltas (services/transports/grpc_stream.py).",
+        description="bf16/fp16 export: keep the last packed version and send the next one as sparse "
+        "deltas to rollouts that hold it (grpc_stream: per rollout; nccl: when every member does, the "
+        "copy kept on the learner's device). services/transports/grpc_stream.py, nccl_delta.py.",
     )
     bucket_bytes: int = Field(
         default=DEFAULT_BUCKET_BYTES,

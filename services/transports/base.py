@@ -52,7 +52,7 @@ class PublishContext:
     collective_timeout_s: float = 60.0
     collective_transfer: TransferDeadline | None = None  # the buckets' deadline (None: the default rate)
     collective_port: int = 0  # the rendezvous store's port; 0 = any free port
-    delta: bool = True  # grpc_stream: encode each version against the last one packed (bf16/fp16)
+    delta: bool = True  # grpc_stream, nccl: sparse deltas against the last version packed (bf16/fp16)
     state: dict[str, Any] = field(default_factory=dict)  # per-learner state a transport keeps (groups)
 
 

@@ -14,6 +14,9 @@ NCCL between CUDA devices, Gloo on CPU, one code path on every machine.
               receive buffer (kept across versions), verifies it on its device, and loads from views of
               it on commit
 
+Sparse deltas (bf16/fp16 weights, `publish.delta`): buckets as deltas against the last version packed,
+when every member holds it (`nccl_delta.py`).
+
 The group is a stateless process group over the learner's rendezvous store (`process_group.py`: the
 store listens only on the advertised address and every key is sealed with the group's secret). It is
 kept across versions and rebuilt under a new `group_id` and secret when its membership changes (a
@@ -57,6 +60,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.logging import get_logger
+from services.transports import nccl_delta
 from services.transports.base import (
     LoadPlan,
     Prepared,
@@ -101,6 +105,8 @@ class NcclDescriptor:
     broadcast_id: str  # this one PrepareWeights' broadcast (a version may be broadcast again)
     secret: str = field(repr=False)  # seals the group's store keys; never logged
     transfer: TransferDeadline
+    delta_base: str = ""  # nccl_delta.holding of the deltas' base ("": no deltas)
+    bucket_deltas: tuple[nccl_delta.BucketDelta, ...] = ()  # one per bucket when delta_base is set
 
     def store(self, timeout_s: float) -> SealedStore:
         """This broadcast's sealed keys in the learner's store (connects: blocking)."""
@@ -146,6 +152,7 @@ class _Sender:
         self.bucket_bytes = ctx.bucket_bytes
         self.group: _Group | None = None
         self.staging: torch.Tensor | None = None
+        self.base: nccl_delta.Base | None = None  # the last version packed (`publish.delta`)
         self.lock = threading.Lock()
 
     def group_for(self, receivers: tuple[Receiver, ...], backend: str) -> _Group:
@@ -186,11 +193,15 @@ class NcclPrepared(Prepared):
         state: Mapping[str, torch.Tensor],
         entries: list[weights.TensorEntry],
         device: torch.device,
+        base: nccl_delta.Base | None = None,
+        deltas: tuple[nccl_delta.BucketDelta, ...] = (),
     ) -> None:
         super().__init__(version, manifest)
         self.sender, self.group, self.device = sender, group, device
         self._state: Mapping[str, torch.Tensor] | None = state
         self._entries = entries
+        self.delta_base = (base.version, base.name) if base is not None else None
+        self.deltas = deltas  # sent only if every member holds `delta_base` (the roll call says)
         self.broadcast_id = uuid.uuid4().hex[:12]
         self.error = ""
 
@@ -200,6 +211,7 @@ class NcclPrepared(Prepared):
         return NcclDescriptor(
             sender.address, sender.store.port, group.world_size, dict(group.ranks), group.group_id,
             sender.timeout_s, group.backend, self.broadcast_id, group.secret, sender.transfer,
+            self.delta_base[1] if self.delta_base else "", tuple(d.described() for d in self.deltas),
         )  # fmt: skip
 
     def view(self) -> memoryview:
@@ -217,11 +229,20 @@ class NcclPrepared(Prepared):
         keys = group.store.child(f"b/{self.broadcast_id}")
         names = member_names(group.ranks, group.world_size)
         started = time.perf_counter()
+        sent = 0
         try:
             with sender.lock:
                 new = group.handle is None
-                roll_call(keys, group.group_id, 0, group.world_size, sender.timeout_s, names, lambda: "",
-                          verdict=b"go mesh" if new else b"go")  # fmt: skip
+
+                def verdict() -> bytes:
+                    delta = self.delta_base is not None and nccl_delta.every_member_holds(
+                        keys, group.world_size, self.delta_base[1]
+                    )
+                    return b" ".join([b"go"] + [b"mesh"] * new + [b"delta"] * delta)
+
+                said = roll_call(keys, group.group_id, 0, group.world_size, sender.timeout_s, names,
+                                 lambda: "", verdict=verdict)  # fmt: skip
+                deltas = self.deltas if b"delta" in said.split() else (None,) * len(self.manifest.buckets)
                 if new:
                     op_timeout = op_timeout_s(sender.timeout_s, sender.transfer, sender.bucket_bytes)
                     group.handle = open_group(
@@ -230,9 +251,16 @@ class NcclPrepared(Prepared):
                     )  # fmt: skip
                 staging = sender.staging_for(max(b.nbytes for b in self.manifest.buckets), self.device)
                 until = time.monotonic() + sender.transfer.for_bytes(self.manifest.total_bytes)
-                for bucket in self.manifest.buckets:
-                    data = weights.pack_range(state, self._entries, bucket.offset, staging[: bucket.nbytes])
-                    broadcast(group.handle, data, until, lambda: aborted(keys))
+                for bucket, delta in zip(self.manifest.buckets, deltas, strict=True):
+                    if delta is not None and delta.payload is not None:
+                        data = delta.payload
+                    else:
+                        data = weights.pack_range(
+                            state, self._entries, bucket.offset, staging[: bucket.nbytes]
+                        )
+                    if data.numel():  # an unchanged bucket's delta is empty: nothing to send
+                        broadcast(group.handle, data, until, lambda: aborted(keys))
+                    sent += data.numel()
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             abort(keys, f"learner (rank 0): {self.error}")
@@ -247,12 +275,14 @@ class NcclPrepared(Prepared):
             "weights broadcast",
             version=self.version,
             group_id=group.group_id,
-            bytes=self.manifest.total_bytes,
+            bytes=sent,
+            version_bytes=self.manifest.total_bytes,
             ms=round((time.perf_counter() - started) * 1e3, 1),
         )
 
     def close(self) -> None:
         self._state = None
+        self.deltas = tuple(d.described() for d in self.deltas)  # the payloads go
 
 
 # ---------------------------------------------------------------------------------------------- transport
@@ -313,12 +343,31 @@ class NcclTransport(WeightTransport):
         total = weights.packed_size(entries)
         algorithm = _algorithm(device)
         staging = sender.staging_for(min(ctx.bucket_bytes, total), device)
-        buckets = []
-        for index, start, size in weights.bucket_ranges(total, ctx.bucket_bytes):
+        ranges = list(weights.bucket_ranges(total, ctx.bucket_bytes))
+        keep = ctx.delta and nccl_delta.delta_eligible(entries, total)
+        base, sender.base = sender.base, None  # rewritten bucket by bucket below
+        if base is not None and not (keep and base.fits(entries, ranges) and base.buffer.device == device):
+            base = None
+        copy = (
+            base.buffer
+            if base is not None
+            else torch.empty(total, dtype=torch.uint8, device=device)
+            if keep
+            else None
+        )
+        buckets, deltas = [], []
+        for index, start, size in ranges:
             data = weights.pack_range(state, entries, start, staging[:size])
             buckets.append(weights.BucketEntry(index, start, size, checksums.digest(algorithm, data)))
+            if base is not None:
+                deltas.append(nccl_delta.encode(base, start, data))  # before the copy overwrites it
+            if copy is not None:
+                copy[start : start + size].copy_(data)
         manifest = weights.Manifest(tuple(entries), tuple(buckets), total, algorithm)
-        return NcclPrepared(version, manifest, sender, group, state, entries, device)
+        prepared = NcclPrepared(version, manifest, sender, group, state, entries, device, base, tuple(deltas))
+        if copy is not None:
+            sender.base = nccl_delta.Base(version, manifest, copy)
+        return prepared
 
     def write_descriptor(self, prepared: Prepared, message: types_pb2.WeightVersion) -> None:
         assert isinstance(prepared, NcclPrepared)
@@ -329,6 +378,15 @@ class NcclTransport(WeightTransport):
         out.group_id, out.deadline_seconds, out.backend = d.group_id, d.deadline_seconds, d.backend
         out.broadcast_id, out.secret = d.broadcast_id, d.secret
         out.transfer_floor_s, out.transfer_min_rate_mb_s = d.transfer.floor_s, d.transfer.min_rate_mb_s
+        if prepared.delta_base is not None:
+            message.delta_base_version, message.delta_base_digest = (
+                prepared.delta_base[0],
+                prepared.delta_base[1].partition(":")[2],
+            )
+            out.bucket_deltas.extend(
+                types_pb2.NcclBucketDelta(encoding=int(b.encoding), payload_bytes=b.payload_bytes)
+                for b in d.bucket_deltas
+            )
 
     # ---- rollout half
     def read_descriptor(self, message: types_pb2.WeightVersion) -> NcclDescriptor:
@@ -348,6 +406,7 @@ class NcclTransport(WeightTransport):
         return NcclDescriptor(
             f.master_address, f.master_port, f.world_size, ranks, f.group_id, f.deadline_seconds, f.backend,
             f.broadcast_id, f.secret, transfer_deadline(f.transfer_floor_s, f.transfer_min_rate_mb_s),
+            *nccl_delta.from_proto(message),
         )  # fmt: skip
 
     async def refuse(self, target: StageTarget, reason: str) -> None:
@@ -389,6 +448,8 @@ class NcclTransport(WeightTransport):
             "secret": d.secret,
             "transfer_floor_s": d.transfer.floor_s,
             "transfer_min_rate_mb_s": d.transfer.min_rate_mb_s,
+            "delta_base": d.delta_base,
+            "bucket_deltas": nccl_delta.to_plain(d.bucket_deltas),
             **weights.manifest_to_plain(target.manifest),
         }
         try:
@@ -421,9 +482,11 @@ class NcclTransport(WeightTransport):
         except BaseException as exc:  # failed, past the deadline, or the StageWeights call was cancelled
             await self._cancel(ctx, d.broadcast_id, f"{ctx.rollout_id} gave up: {type(exc).__name__}")
             raise
-        return CollectiveStaged(
+        staged = CollectiveStaged(
             target.version, target.manifest, (time.perf_counter() - started) * 1e3, d.broadcast_id
         )
+        staged.received_bytes = int(replies[0].get("received", target.manifest.total_bytes))
+        return staged
 
     async def _cancel(self, ctx: StageContext, broadcast_id: str, why: str) -> None:
         """Tell every worker to stop receiving `broadcast_id` (best effort, bounded; never raises)."""

@@ -2,7 +2,8 @@
 
 Each worker that holds the model keeps a `_Receiver` in its transport state: its membership of the
 current weight-sync group (the group's sealed store keys and its process group), its receive buffer
-(kept across versions) and the receipt of the last broadcast it was asked to receive. A receive runs
+(kept across versions), what that buffer holds (the base of a delta broadcast, `nccl_delta.py`) and
+the receipt of the last broadcast it was asked to receive. A receive runs
 in its own thread: the roll call, a new group's connections, then every bucket, each wait bounded and
 watching both the broadcast's abort key and the receipt's `why_stop` (set by `cancel`, or by the next
 broadcast's `start`), so it always ends, releases the group, and lets the next version's receive in.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.common import weights
+from services.common import weight_delta, weights
 from services.common.deadlines import TransferDeadline
 from services.common.errors import DataLoss, FailedPrecondition
+from services.transports import nccl_delta
 from services.transports.base import WorkerContext
 from services.transports.kinds import MESH_SLACK_S, transfer_deadline
 from services.transports.process_group import (
@@ -47,6 +49,8 @@ def failure_kind(exc: BaseException) -> str:
     left it mid-way: this worker is sound, retry with the next version), `deadline` (a wait ran out),
     `unavailable` (anything else, e.g. the learner's store cannot be reached)."""
     text = f"{type(exc).__name__}: {exc}".lower()
+    if isinstance(exc, DataLoss):
+        return "data_loss"
     if isinstance(exc, BroadcastAborted) or any(sign in text for sign in _PEER_LEFT):
         return "aborted"
     if isinstance(exc, TimeoutError | dist.DistStoreError) or "timeout" in text or "timed out" in text:
@@ -67,6 +71,7 @@ class Receipt:
     status: str = "receiving"  # receiving | done | failed
     kind: str = ""  # failure kind: deadline | data_loss | aborted | unavailable
     error: str = ""
+    received: int = 0  # bytes that crossed the group (less than the version's for deltas)
     why_stop: str = ""  # set to end the receive (cancelled, or superseded by the next version's)
 
     def stop(self) -> str:
@@ -81,6 +86,8 @@ class NcclWorker:
         self.handle: dist.ProcessGroup | None = None
         self.store: SealedStore | None = None  # the group's keys
         self.buffer: torch.Tensor | None = None
+        self.holds = ""  # nccl_delta.holding of the verified version in `buffer` ("": unknown)
+        self.scratch: torch.Tensor | None = None  # receives delta payloads (kept across versions)
         self.receipt: Receipt | None = None
         self.superseded: Receipt | None = None  # the one before, so its stage learns why it ended
         self.thread: threading.Thread | None = None
@@ -130,7 +137,12 @@ class NcclWorker:
                 "kind": "unavailable",
                 "error": f"version {version} is not being received",
             }
-        return {"status": receipt.status, "kind": receipt.kind, "error": receipt.error}
+        return {
+            "status": receipt.status,
+            "kind": receipt.kind,
+            "error": receipt.error,
+            "received": receipt.received,
+        }
 
     def _drop_group(self) -> None:
         close_group(self.handle)  # a failed collective leaves the group unusable
@@ -162,14 +174,17 @@ class NcclWorker:
                 self.store = connect_store(master, port, spec["secret"], spec["group_id"], join_s)
                 self.group_id = spec["group_id"]
             keys = self.store.child(f"b/{spec['broadcast_id']}")
-            verdict = roll_call(keys, spec["group_id"], rank, world, join_s, names, receipt.stop)
+            manifest = weights.manifest_from_plain(spec)
+            total = manifest.total_bytes
+            fits = self.buffer is not None and self.buffer.numel() >= total and self.buffer.device == device
+            nccl_delta.say_holding(keys, rank, self.holds if fits else "")
+            verdict = roll_call(keys, spec["group_id"], rank, world, join_s, names, receipt.stop).split()
 
             def stop() -> str:
                 return receipt.why_stop or aborted(keys)
 
-            manifest = weights.manifest_from_plain(spec)
-            if verdict == b"go mesh" or self.handle is None:
-                if verdict != b"go mesh":  # the group is kept, but we lost our connections to it
+            if b"mesh" in verdict or self.handle is None:
+                if b"mesh" not in verdict:  # the group is kept, but we lost our connections to it
                     raise BroadcastAborted(f"{names.get(rank)} lost its connection to group {self.group_id}")
                 close_group(self.handle)
                 op_timeout = op_timeout_s(join_s, transfer, max(b.nbytes for b in manifest.buckets))
@@ -177,19 +192,26 @@ class NcclWorker:
                     spec["backend"], self.store, rank, world, op_timeout, local_address(master, port), stop,
                     spec["group_id"],
                 )  # fmt: skip
-            total = manifest.total_bytes
-            if self.buffer is None or self.buffer.numel() < total or self.buffer.device != device:
+            if not fits:
                 self.buffer = torch.empty(total, dtype=torch.uint8, device=device)  # kept across versions
-            until = time.monotonic() + transfer.for_bytes(total)
-            for bucket in manifest.buckets:
-                broadcast(
-                    self.handle, self.buffer[bucket.offset : bucket.offset + bucket.nbytes], until, stop
+            self.holds = ""  # the buffer is being overwritten: it holds a version again once verified
+            deltas = nccl_delta.from_plain(spec.get("bucket_deltas")) if b"delta" in verdict else ()
+            if b"delta" in verdict and len(deltas) != len(manifest.buckets):
+                raise DataLoss(
+                    f"a delta broadcast of {len(manifest.buckets)} buckets lists {len(deltas)} deltas"
                 )
+            until = time.monotonic() + transfer.for_bytes(total)
+            for bucket, delta in zip(
+                manifest.buckets, deltas or (None,) * len(manifest.buckets), strict=True
+            ):
+                target = self.buffer[bucket.offset : bucket.offset + bucket.nbytes]
+                receipt.received += self._receive_bucket(target, delta, until, stop, device)
             try:
                 weights.verify_buckets(self.buffer, manifest)
             except DataLoss as exc:
                 receipt.kind, receipt.error, receipt.status = "data_loss", str(exc), "failed"
                 return
+            self.holds = nccl_delta.holding(int(spec["version"]), manifest)
             receipt.status = "done"
         except Exception as exc:
             if previous is None or not previous.is_alive():  # else the group is still the previous one's
@@ -202,6 +224,29 @@ class NcclWorker:
             receipt.kind = failure_kind(exc)
             receipt.error = f"{me}: {text}"[:2000]
             receipt.status = "failed"
+
+    def _receive_bucket(
+        self,
+        target: torch.Tensor,
+        delta: nccl_delta.BucketDelta | None,
+        until: float,
+        stop: Callable[[], str],
+        device: torch.device,
+    ) -> int:
+        """One bucket into `target` (its bytes in the receive buffer): whole, or a delta's payload
+        rebuilt over the base there. Returns the bytes received."""
+        assert self.handle is not None
+        if delta is None or delta.encoding is weight_delta.Encoding.FULL:
+            broadcast(self.handle, target, until, stop)
+            return target.numel()
+        size = delta.payload_bytes
+        if self.scratch is None or self.scratch.numel() < size or self.scratch.device != device:
+            self.scratch = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+        payload = self.scratch[:size]
+        if size:
+            broadcast(self.handle, payload, until, stop)
+        weight_delta.apply_tensor(target, delta.encoding, payload)
+        return size
 
     @contextmanager
     def open(

@@ -225,11 +225,12 @@ def roll_call(
     join_s: float,
     names: dict[int, str],
     stop: Stop,
-    verdict: bytes = _GO,
+    verdict: bytes | Callable[[], bytes] = _GO,
 ) -> bytes:
     """All members present for this broadcast and rank 0 said so, or JoinTimeout / BroadcastAborted
     (someone wrote the abort key, or `stop` said why). Rank 0 waits `join_s` for the others and
-    writes `verdict` (which starts with "go"; e.g. whether a new group's mesh follows); the others wait
+    writes `verdict` (which starts with "go"; e.g. whether a new group's mesh follows; a callable is
+    asked once everyone is present, so it may read what the members wrote first); the others wait
     up to twice that (rank 0 may come one deadline after them) and return it. A member that gives up
     takes its `joined` key back."""
 
@@ -246,8 +247,9 @@ def roll_call(
     everyone = [f"joined/{r}" for r in range(world)]
     while True:
         if rank == 0 and store.check(everyone):
-            store.set("roll_call", verdict)
-            return verdict
+            said = verdict() if callable(verdict) else verdict
+            store.set("roll_call", said)
+            return said
         if rank != 0 and store.check(["roll_call"]):
             said = store.get("roll_call").decode(errors="replace")
             if said.startswith(_GO.decode()):

@@ -10,7 +10,7 @@ import torch
 from services.common import checksums
 from services.common.checksums import ChecksumAlgorithm
 from services.common.errors import DataLoss, InvalidArgument
-from services.common.weight_delta import Delta, Encoding, apply, encode, sizes
+from services.common.weight_delta import Delta, Encoding, apply, apply_tensor, encode, encode_tensor, sizes
 
 
 def _u16(*values: int) -> bytes:
@@ -108,6 +108,31 @@ def test_a_malformed_delta_is_data_loss_and_writes_nothing(delta: Delta) -> None
     with pytest.raises(DataLoss):
         apply(target, delta, 2)
     assert bytes(target) == base
+    tensor = torch.frombuffer(bytearray(base), dtype=torch.uint8)
+    with pytest.raises(DataLoss):
+        apply_tensor(tensor, delta.encoding, torch.frombuffer(bytearray(delta.payload), dtype=torch.uint8))
+    assert tensor.numpy().tobytes() == base
+
+
+@pytest.mark.parametrize(
+    ("words", "changed"), [(1000, 0), (1001, 10), (1003, 50), (997, 498), (8, 1), (13, 13), (9, 2)]
+)
+def test_the_torch_encoding_is_the_wire_encoding_byte_for_byte(words: int, changed: int) -> None:
+    """encode_tensor/apply_tensor (the nccl transport's, on the bucket's device) produce and read the
+    same payloads as encode/apply (grpc_stream's): each encoding, odd bitmap sizes included."""
+    generator = torch.Generator().manual_seed(words)
+    base = torch.randint(0, 256, (2 * words,), dtype=torch.uint8, generator=generator)
+    new = base.clone()
+    new.view(torch.int16)[torch.randperm(words, generator=generator)[:changed]] += 1
+    encoding, payload, count = encode_tensor(base, new)
+    expected = encode(base.numpy().tobytes(), new.numpy().tobytes(), 2)
+    assert (encoding, count) == (expected.encoding, expected.changed)
+    assert (new.numpy().tobytes() if payload is None else payload.numpy().tobytes()) == bytes(
+        expected.payload
+    )
+    rebuilt = base.clone()
+    assert apply_tensor(rebuilt, encoding, new if payload is None else payload) == count
+    assert torch.equal(rebuilt, new)
 
 
 def test_words_must_tile_the_bucket() -> None:

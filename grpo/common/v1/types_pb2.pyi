@@ -336,7 +336,7 @@ class CudaIpcTransport(_message.Message):
     def __init__(self, buckets: _Optional[_Iterable[_Union[CudaIpcBucket, _Mapping]]] = ...) -> None: ...
 
 class NcclTransport(_message.Message):
-    __slots__ = ("master_address", "master_port", "world_size", "ranks", "group_id", "deadline_seconds", "backend", "broadcast_id", "secret", "transfer_floor_s", "transfer_min_rate_mb_s")
+    __slots__ = ("master_address", "master_port", "world_size", "ranks", "group_id", "deadline_seconds", "backend", "broadcast_id", "secret", "transfer_floor_s", "transfer_min_rate_mb_s", "bucket_deltas")
     class RanksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +355,7 @@ class NcclTransport(_message.Message):
     SECRET_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FLOOR_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MIN_RATE_MB_S_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_DELTAS_FIELD_NUMBER: _ClassVar[int]
     master_address: str
     master_port: int
     world_size: int
@@ -366,7 +367,16 @@ class NcclTransport(_message.Message):
     secret: str
     transfer_floor_s: float
     transfer_min_rate_mb_s: float
-    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Mapping[str, int]] = ..., group_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., backend: _Optional[str] = ..., broadcast_id: _Optional[str] = ..., secret: _Optional[str] = ..., transfer_floor_s: _Optional[float] = ..., transfer_min_rate_mb_s: _Optional[float] = ...) -> None: ...
+    bucket_deltas: _containers.RepeatedCompositeFieldContainer[NcclBucketDelta]
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Mapping[str, int]] = ..., group_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., backend: _Optional[str] = ..., broadcast_id: _Optional[str] = ..., secret: _Optional[str] = ..., transfer_floor_s: _Optional[float] = ..., transfer_min_rate_mb_s: _Optional[float] = ..., bucket_deltas: _Optional[_Iterable[_Union[NcclBucketDelta, _Mapping]]] = ...) -> None: ...
+
+class NcclBucketDelta(_message.Message):
+    __slots__ = ("encoding", "payload_bytes")
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    encoding: BucketEncoding
+    payload_bytes: int
+    def __init__(self, encoding: _Optional[_Union[BucketEncoding, str]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointTransport(_message.Message):
     __slots__ = ("path",)

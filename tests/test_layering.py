@@ -15,7 +15,7 @@ Inside services/scheduler (its README.md maps the files):
     ledger/     group ledger, SQLite store, recovery, audit, lineage       → ledger, observe, peers
     config.py   the scheduler's settings, gathered from the wings'         → peers, observe
     pipeline/   groups, batches, weight and step sync, alignment, eval     → everything above
-    orchestrator.py, server.py, servicer.py, __main__.py (the top)         → anything in the scheduler
+    orchestrator.py, server.py, servicer.py, status_view.py, __main__.py   → anything in the scheduler
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ SCHEDULER_WINGS = {
     "config": {"observe", "peers"},
     "pipeline": {"pipeline", "ledger", "observe", "peers", "config"},
 }
-SCHEDULER_TOP = {"orchestrator", "server", "servicer", "__main__"}
+SCHEDULER_TOP = {"orchestrator", "server", "servicer", "status_view", "__main__"}
 
 
 def _module_name(path: Path, root: Path = ROOT) -> str:

@@ -121,11 +121,14 @@ class Orchestrator:
             if trainer not in done:
                 raise RuntimeError("a scheduler task stopped unexpectedly")
             self.finished = True
+            self.store.event("run_finished", step=self.step, version=self.version)  # run_record.py reads
             log.info("run finished", steps=self.step, version=self.version)
         except asyncio.CancelledError:
+            self.store.event("run_stopped", step=self.step, version=self.version)
             raise
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
+            self.store.event("run_failed", step=self.step, version=self.version, error=self.error)
             log.exception("run failed", error=self.error)
             raise
         finally:

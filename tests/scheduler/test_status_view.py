@@ -27,7 +27,8 @@ from grpo.scheduler.v1 import scheduler_pb2
 from services.common.serve import RunningServer, start_server
 from services.launch.certs import issue
 from services.scheduler.config import SchedulerSettings
-from services.scheduler.observe.status_view import (
+from services.scheduler.server import SchedulerApp
+from services.scheduler.status_view import (
     ADDRESS_ENV,
     DEFAULT_ADDRESS,
     progress,
@@ -36,7 +37,6 @@ from services.scheduler.observe.status_view import (
     rollout_style,
     unreachable,
 )
-from services.scheduler.server import SchedulerApp
 from tests.scheduler.fakes import FakeRollout, cluster
 
 REPO = Path(__file__).resolve().parents[3]

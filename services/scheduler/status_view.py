@@ -11,15 +11,18 @@ rollouts (version, load, health; a rollout behind the learner is yellow, an unhe
 `render` is pure, so tests render it to text. `--run-dir` finds the scheduler through the port file
 the launcher writes (`<run_dir>/scheduler.port`) and, when the run's config (`<run_dir>/run.toml`)
 has a `[security]` table (`make demo ARGS="--secure"`), dials with its TLS material, the
-operator's client certificate and the token. Exit codes: 0 shown (with --until-finished: the run
-finished), 1 the run failed, 2 the scheduler could not be asked (unreachable, refused, misconfigured)
-or the command line is wrong.
+operator's client certificate and the token; when that run's scheduler is not running (finished,
+stopped, crashed) the same view comes from the run's record (`ledger/run_record.py`: run.toml,
+metrics.jsonl and the ledger, read-only), under a line that says so. Exit codes: 0 shown (with
+--until-finished: the run finished), 1 the run failed, 2 the scheduler could not be asked
+(unreachable, refused, misconfigured) or the command line is wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import sys
 import tomllib
 from pathlib import Path
@@ -35,6 +38,7 @@ from services.common.clients import GrpcClient
 from services.common.config import CommandSettings, parse_cli
 from services.common.errors import GrpoError
 from services.common.security import ClientSecurity, SecuritySettings
+from services.scheduler.ledger.run_record import RunRecord, has_record, read_record
 
 ADDRESS_ENV = "GRPO_SCHEDULER_ADDRESS"
 # The scheduler binds a free port unless told (--port, default 0); 50050 is the one compose, the
@@ -112,12 +116,23 @@ def rollout_style(r: scheduler_pb2.RolloutLoad, learner_version: int) -> str:
     return "red" if not r.healthy else "yellow" if r.weight_version < learner_version else ""
 
 
-def run_table(s: Status, address: str) -> Table:
+def recorded_state(record: RunRecord) -> Text:
+    """A recorded run's state: how it ended, or that it ended without saying (killed)."""
+    if record.ending == "failed":
+        return Text("failed", style="bold red")
+    if record.ending == "finished":
+        return Text("finished", style="green")
+    if record.ending == "stopped":
+        return Text("stopped", style="yellow")
+    return Text("not running (no ending recorded: killed or crashed)", style="bold red")
+
+
+def run_table(s: Status, address: str, state: Text | None = None) -> Table:
     table = Table(title=f"grpo-mesh run @ {address}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     rows: list[tuple[str, str | Text]] = [
-        ("state", run_state(s)),
+        ("state", state or run_state(s)),
         ("step", progress(s.step, s.max_steps)),
         ("learner version", str(s.learner_version)),
         ("steps/s", f"{s.steps_per_second:.2f}"),
@@ -170,6 +185,13 @@ def rollout_table(s: Status) -> Table:
 def render(status: Status, address: str) -> Group:
     """The whole view of one GetStatus answer (pure)."""
     return Group(run_table(status, address), queue_table(status), rollout_table(status))
+
+
+def render_record(record: RunRecord, run_dir: Path, why: str) -> Group:
+    """The view of a run whose scheduler is not running, from its record (pure)."""
+    line = Text(f"the scheduler is not running ({why}): from the run's record", style="yellow")
+    table = run_table(record.status, str(run_dir), recorded_state(record))
+    return Group(line, table, queue_table(record.status))
 
 
 def unreachable(address: str, error: str, last: Status | None) -> RenderableType:
@@ -240,11 +262,28 @@ async def _watch(client: GrpcClient, address: str, args: StatusSettings, console
             await asyncio.sleep(args.interval)
 
 
+def _from_record(run_dir: Path | None, why: str, console: Console) -> int | None:
+    """Show `run_dir`'s record when it has one (exit 1 if the run failed); None when it has none."""
+    if run_dir is None or not has_record(run_dir):
+        return None
+    try:
+        record = read_record(run_dir)
+    except (OSError, ValueError, sqlite3.Error) as exc:
+        print(f"status: cannot read the record in {run_dir}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    console.print(render_record(record, run_dir, why))
+    return 1 if record.ending == "failed" else 0
+
+
 async def _main(args: StatusSettings, console: Console) -> int:
     try:
         address = resolve_address(args.address, args.run_dir)
         client = _client(address, args.run_dir)
     except (OSError, ValueError, tomllib.TOMLDecodeError) as exc:  # port file, run.toml, TLS files
+        if not args.watch and not args.until_finished and isinstance(exc, FileNotFoundError):
+            shown = _from_record(args.run_dir, "no scheduler port file", console)
+            if shown is not None:
+                return shown
         print(f"status: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     try:
@@ -254,6 +293,10 @@ async def _main(args: StatusSettings, console: Console) -> int:
             status = await fetch(client, args.timeout)
         except GrpoError as exc:
             what = "is unreachable" if exc.unreachable else "refused GetStatus"
+            if exc.unreachable and not args.address:
+                shown = _from_record(args.run_dir, f"{address} {what}", console)
+                if shown is not None:
+                    return shown
             print(f"status: the scheduler at {address} {what}: {_reason(exc, address)}", file=sys.stderr)
             return 2
         console.print(render(status, address))

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from grpo.common.v1 import types_pb2 as grpo_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgrpo/rollout/v1/rollout.proto\x12\x0fgrpo.rollout.v1\x1a\x1agrpo/common/v1/types.proto\"\xa0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06prompt\x18\x02 \x01(\x0b\x32\x16.grpo.common.v1.Prompt\x12\x37\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1e.grpo.common.v1.SamplingParams\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\"U\n\x10GenerateResponse\x12/\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1a.grpo.common.v1.CompletionJ\x04\x08\x01\x10\x02R\ncompletion\"J\n\x14GenerateBatchRequest\x12\x32\n\x08requests\x18\x01 \x03(\x0b\x32 .grpo.rollout.v1.GenerateRequest\"I\n\x15GenerateBatchResponse\x12\x30\n\x07results\x18\x01 \x03(\x0b\x32\x1f.grpo.rollout.v1.GenerateResult\"\x83\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1a.grpo.common.v1.Completion\x12,\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.grpo.rollout.v1.RequestError\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\\\n\x13StageWeightsRequest\x12\x35\n\x0eweight_version\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.WeightVersion\x12\x0e\n\x06rewind\x18\x02 \x01(\x08\"`\n\x14StageWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x66\x65tch_ms\x18\x03 \x01(\x01\x12\x16\n\x0ereceived_bytes\x18\x04 \x01(\x04\"7\n\x14\x43ommitWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06rewind\x18\x02 \x01(\x08\"K\n\x15\x43ommitWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07load_ms\x18\x02 \x01(\x01\x12\x10\n\x08pause_ms\x18\x03 \x01(\x01\"&\n\x13\x41\x62ortWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x16\n\x14\x41\x62ortWeightsResponse\"E\n\x12ScoreTokensRequest\x12/\n\x08sequence\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.TokenSequence\"?\n\x13ScoreTokensResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\xc9\x01\n\x15RenderMessagesRequest\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.grpo.rollout.v1.RenderMode\x12-\n\x08messages\x18\x02 \x03(\x0b\x32\x1b.grpo.common.v1.ChatMessage\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x15\n\rprevious_tail\x18\x05 \x03(\x05\x12\x0c\n\x04text\x18\x06 \x01(\t\"9\n\x16RenderMessagesResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x18\n\x16GetRolloutStateRequest\"\xb4\x02\n\x17GetRolloutStateResponse\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x16\n\x0estaged_version\x18\x03 \x01(\x03\x12.\n\x06status\x18\x04 \x01(\x0e\x32\x1e.grpo.rollout.v1.RolloutStatus\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x15\n\rmax_in_flight\x18\x08 \x01(\r\x12\x18\n\x10tokens_generated\x18\t \x01(\x04\x12\x16\n\x0eweight_workers\x18\n \x01(\r\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x15\n\rmax_model_len\x18\x0c \x01(\r*u\n\nRenderMode\x12\x1b\n\x17RENDER_MODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18RENDER_MODE_CONVERSATION\x10\x01\x12\x16\n\x12RENDER_MODE_BRIDGE\x10\x02\x12\x14\n\x10RENDER_MODE_TEXT\x10\x03*\x9f\x01\n\rRolloutStatus\x12\x1e\n\x1aROLLOUT_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16ROLLOUT_STATUS_LOADING\x10\x01\x12\x18\n\x14ROLLOUT_STATUS_READY\x10\x02\x12\x1b\n\x17ROLLOUT_STATUS_UPDATING\x10\x03\x12\x1b\n\x17ROLLOUT_STATUS_DRAINING\x10\x04\x32\x82\x06\n\x0eRolloutService\x12Q\n\x08Generate\x12 .grpo.rollout.v1.GenerateRequest\x1a!.grpo.rollout.v1.GenerateResponse0\x01\x12`\n\rGenerateBatch\x12%.grpo.rollout.v1.GenerateBatchRequest\x1a&.grpo.rollout.v1.GenerateBatchResponse0\x01\x12[\n\x0cStageWeights\x12$.grpo.rollout.v1.StageWeightsRequest\x1a%.grpo.rollout.v1.StageWeightsResponse\x12^\n\rCommitWeights\x12%.grpo.rollout.v1.CommitWeightsRequest\x1a&.grpo.rollout.v1.CommitWeightsResponse\x12[\n\x0c\x41\x62ortWeights\x12$.grpo.rollout.v1.AbortWeightsRequest\x1a%.grpo.rollout.v1.AbortWeightsResponse\x12X\n\x0bScoreTokens\x12#.grpo.rollout.v1.ScoreTokensRequest\x1a$.grpo.rollout.v1.ScoreTokensResponse\x12\x61\n\x0eRenderMessages\x12&.grpo.rollout.v1.RenderMessagesRequest\x1a\'.grpo.rollout.v1.RenderMessagesResponse\x12\x64\n\x0fGetRolloutState\x12\'.grpo.rollout.v1.GetRolloutStateRequest\x1a(.grpo.rollout.v1.GetRolloutStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgrpo/rollout/v1/rollout.proto\x12\x0fgrpo.rollout.v1\x1a\x1agrpo/common/v1/types.proto\"\xa0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06prompt\x18\x02 \x01(\x0b\x32\x16.grpo.common.v1.Prompt\x12\x37\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1e.grpo.common.v1.SamplingParams\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\"U\n\x10GenerateResponse\x12/\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1a.grpo.common.v1.CompletionJ\x04\x08\x01\x10\x02R\ncompletion\"J\n\x14GenerateBatchRequest\x12\x32\n\x08requests\x18\x01 \x03(\x0b\x32 .grpo.rollout.v1.GenerateRequest\"I\n\x15GenerateBatchResponse\x12\x30\n\x07results\x18\x01 \x03(\x0b\x32\x1f.grpo.rollout.v1.GenerateResult\"\x83\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x1a.grpo.common.v1.Completion\x12,\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.grpo.rollout.v1.RequestError\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\\\n\x13StageWeightsRequest\x12\x35\n\x0eweight_version\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.WeightVersion\x12\x0e\n\x06rewind\x18\x02 \x01(\x08\"x\n\x14StageWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x66\x65tch_ms\x18\x03 \x01(\x01\x12\x1b\n\x0ereceived_bytes\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x11\n\x0f_received_bytes\"7\n\x14\x43ommitWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06rewind\x18\x02 \x01(\x08\"K\n\x15\x43ommitWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07load_ms\x18\x02 \x01(\x01\x12\x10\n\x08pause_ms\x18\x03 \x01(\x01\"&\n\x13\x41\x62ortWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x16\n\x14\x41\x62ortWeightsResponse\"E\n\x12ScoreTokensRequest\x12/\n\x08sequence\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.TokenSequence\"?\n\x13ScoreTokensResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\xc9\x01\n\x15RenderMessagesRequest\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.grpo.rollout.v1.RenderMode\x12-\n\x08messages\x18\x02 \x03(\x0b\x32\x1b.grpo.common.v1.ChatMessage\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x15\n\rprevious_tail\x18\x05 \x03(\x05\x12\x0c\n\x04text\x18\x06 \x01(\t\"9\n\x16RenderMessagesResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x18\n\x16GetRolloutStateRequest\"\xb4\x02\n\x17GetRolloutStateResponse\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x16\n\x0estaged_version\x18\x03 \x01(\x03\x12.\n\x06status\x18\x04 \x01(\x0e\x32\x1e.grpo.rollout.v1.RolloutStatus\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x15\n\rmax_in_flight\x18\x08 \x01(\r\x12\x18\n\x10tokens_generated\x18\t \x01(\x04\x12\x16\n\x0eweight_workers\x18\n \x01(\r\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x15\n\rmax_model_len\x18\x0c \x01(\r*u\n\nRenderMode\x12\x1b\n\x17RENDER_MODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18RENDER_MODE_CONVERSATION\x10\x01\x12\x16\n\x12RENDER_MODE_BRIDGE\x10\x02\x12\x14\n\x10RENDER_MODE_TEXT\x10\x03*\x9f\x01\n\rRolloutStatus\x12\x1e\n\x1aROLLOUT_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16ROLLOUT_STATUS_LOADING\x10\x01\x12\x18\n\x14ROLLOUT_STATUS_READY\x10\x02\x12\x1b\n\x17ROLLOUT_STATUS_UPDATING\x10\x03\x12\x1b\n\x17ROLLOUT_STATUS_DRAINING\x10\x04\x32\x82\x06\n\x0eRolloutService\x12Q\n\x08Generate\x12 .grpo.rollout.v1.GenerateRequest\x1a!.grpo.rollout.v1.GenerateResponse0\x01\x12`\n\rGenerateBatch\x12%.grpo.rollout.v1.GenerateBatchRequest\x1a&.grpo.rollout.v1.GenerateBatchResponse0\x01\x12[\n\x0cStageWeights\x12$.grpo.rollout.v1.StageWeightsRequest\x1a%.grpo.rollout.v1.StageWeightsResponse\x12^\n\rCommitWeights\x12%.grpo.rollout.v1.CommitWeightsRequest\x1a&.grpo.rollout.v1.CommitWeightsResponse\x12[\n\x0c\x41\x62ortWeights\x12$.grpo.rollout.v1.AbortWeightsRequest\x1a%.grpo.rollout.v1.AbortWeightsResponse\x12X\n\x0bScoreTokens\x12#.grpo.rollout.v1.ScoreTokensRequest\x1a$.grpo.rollout.v1.ScoreTokensResponse\x12\x61\n\x0eRenderMessages\x12&.grpo.rollout.v1.RenderMessagesRequest\x1a\'.grpo.rollout.v1.RenderMessagesResponse\x12\x64\n\x0fGetRolloutState\x12\'.grpo.rollout.v1.GetRolloutStateRequest\x1a(.grpo.rollout.v1.GetRolloutStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'grpo.rollout.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RENDERMODE']._serialized_start=1786
-  _globals['_RENDERMODE']._serialized_end=1903
-  _globals['_ROLLOUTSTATUS']._serialized_start=1906
-  _globals['_ROLLOUTSTATUS']._serialized_end=2065
+  _globals['_RENDERMODE']._serialized_start=1810
+  _globals['_RENDERMODE']._serialized_end=1927
+  _globals['_ROLLOUTSTATUS']._serialized_start=1930
+  _globals['_ROLLOUTSTATUS']._serialized_end=2089
   _globals['_GENERATEREQUEST']._serialized_start=79
   _globals['_GENERATEREQUEST']._serialized_end=239
   _globals['_GENERATERESPONSE']._serialized_start=241
@@ -51,27 +51,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGEWEIGHTSREQUEST']._serialized_start=660
   _globals['_STAGEWEIGHTSREQUEST']._serialized_end=752
   _globals['_STAGEWEIGHTSRESPONSE']._serialized_start=754
-  _globals['_STAGEWEIGHTSRESPONSE']._serialized_end=850
-  _globals['_COMMITWEIGHTSREQUEST']._serialized_start=852
-  _globals['_COMMITWEIGHTSREQUEST']._serialized_end=907
-  _globals['_COMMITWEIGHTSRESPONSE']._serialized_start=909
-  _globals['_COMMITWEIGHTSRESPONSE']._serialized_end=984
-  _globals['_ABORTWEIGHTSREQUEST']._serialized_start=986
-  _globals['_ABORTWEIGHTSREQUEST']._serialized_end=1024
-  _globals['_ABORTWEIGHTSRESPONSE']._serialized_start=1026
-  _globals['_ABORTWEIGHTSRESPONSE']._serialized_end=1048
-  _globals['_SCORETOKENSREQUEST']._serialized_start=1050
-  _globals['_SCORETOKENSREQUEST']._serialized_end=1119
-  _globals['_SCORETOKENSRESPONSE']._serialized_start=1121
-  _globals['_SCORETOKENSRESPONSE']._serialized_end=1184
-  _globals['_RENDERMESSAGESREQUEST']._serialized_start=1187
-  _globals['_RENDERMESSAGESREQUEST']._serialized_end=1388
-  _globals['_RENDERMESSAGESRESPONSE']._serialized_start=1390
-  _globals['_RENDERMESSAGESRESPONSE']._serialized_end=1447
-  _globals['_GETROLLOUTSTATEREQUEST']._serialized_start=1449
-  _globals['_GETROLLOUTSTATEREQUEST']._serialized_end=1473
-  _globals['_GETROLLOUTSTATERESPONSE']._serialized_start=1476
-  _globals['_GETROLLOUTSTATERESPONSE']._serialized_end=1784
-  _globals['_ROLLOUTSERVICE']._serialized_start=2068
-  _globals['_ROLLOUTSERVICE']._serialized_end=2838
+  _globals['_STAGEWEIGHTSRESPONSE']._serialized_end=874
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_start=876
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_end=931
+  _globals['_COMMITWEIGHTSRESPONSE']._serialized_start=933
+  _globals['_COMMITWEIGHTSRESPONSE']._serialized_end=1008
+  _globals['_ABORTWEIGHTSREQUEST']._serialized_start=1010
+  _globals['_ABORTWEIGHTSREQUEST']._serialized_end=1048
+  _globals['_ABORTWEIGHTSRESPONSE']._serialized_start=1050
+  _globals['_ABORTWEIGHTSRESPONSE']._serialized_end=1072
+  _globals['_SCORETOKENSREQUEST']._serialized_start=1074
+  _globals['_SCORETOKENSREQUEST']._serialized_end=1143
+  _globals['_SCORETOKENSRESPONSE']._serialized_start=1145
+  _globals['_SCORETOKENSRESPONSE']._serialized_end=1208
+  _globals['_RENDERMESSAGESREQUEST']._serialized_start=1211
+  _globals['_RENDERMESSAGESREQUEST']._serialized_end=1412
+  _globals['_RENDERMESSAGESRESPONSE']._serialized_start=1414
+  _globals['_RENDERMESSAGESRESPONSE']._serialized_end=1471
+  _globals['_GETROLLOUTSTATEREQUEST']._serialized_start=1473
+  _globals['_GETROLLOUTSTATEREQUEST']._serialized_end=1497
+  _globals['_GETROLLOUTSTATERESPONSE']._serialized_start=1500
+  _globals['_GETROLLOUTSTATERESPONSE']._serialized_end=1808
+  _globals['_ROLLOUTSERVICE']._serialized_start=2092
+  _globals['_ROLLOUTSERVICE']._serialized_end=2862
 # @@protoc_insertion_point(module_scope)

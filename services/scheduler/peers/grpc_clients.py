@@ -246,7 +246,8 @@ class GrpcRolloutClient(_PeerClient[rollout_pb2_grpc.RolloutServiceStub]):
         request = rollout_pb2.StageWeightsRequest(weight_version=weights, rewind=rewind)
         deadline = transfer_timeout(self._timeouts, weights) if deadline_s is None else deadline_s
         response = await self.unary("StageWeights", request, deadline)
-        return response.received_bytes or response.bytes  # a rollout from before received_bytes
+        # an unchanged version's delta moves 0 bytes; unset: a rollout from before received_bytes
+        return response.received_bytes if response.HasField("received_bytes") else response.bytes
 
     async def commit(self, version: int, rewind: bool = False, deadline_s: float | None = None) -> None:
         request = rollout_pb2.CommitWeightsRequest(version=version, rewind=rewind)

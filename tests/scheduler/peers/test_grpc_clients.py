@@ -68,6 +68,15 @@ class _Rollout(rollout_pb2_grpc.RolloutServiceServicer):
             rollout_id="r-1", weight_version=7, status=rollout_pb2.ROLLOUT_STATUS_UPDATING, max_in_flight=5
         )
 
+    async def StageWeights(self, request, context):
+        """Version 1: whole; 2: a delta of 10 bytes; 3: unchanged (0 bytes); 4: a rollout from before
+        received_bytes (unset)."""
+        received = {1: 100, 2: 10, 3: 0}.get(request.weight_version.version)
+        response = rollout_pb2.StageWeightsResponse(version=request.weight_version.version, bytes=100)
+        if received is not None:
+            response.received_bytes = received
+        return response
+
     async def ScoreTokens(self, request, context):
         await asyncio.sleep(0.5)  # a rollout scoring at 200..400 tokens/s
         return rollout_pb2.ScoreTokensResponse(logprobs=[-1.0] * len(request.sequence.completion_token_ids))
@@ -123,6 +132,16 @@ async def test_rollout_client_speaks_domain_terms_and_maps_status_codes(servers)
         assert not crashed.value.retryable
         with pytest.raises(RemoteError, match="UNIMPLEMENTED"):  # not served by this test server
             await client.commit(1)
+    finally:
+        await client.close()
+
+
+async def test_a_stage_reports_the_bytes_that_crossed_an_unchanged_version_none(servers) -> None:
+    address, _, _ = servers
+    client = GrpcRolloutClient(address, TIMEOUTS)
+    try:
+        moved = [await client.stage(types_pb2.WeightVersion(version=v), deadline_s=5) for v in (1, 2, 3, 4)]
+        assert moved == [100, 10, 0, 100]  # 0 is 0 (it once read as "whole"), unset counts the version
     finally:
         await client.close()
 

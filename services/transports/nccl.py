@@ -200,7 +200,7 @@ class NcclPrepared(Prepared):
         self.sender, self.group, self.device = sender, group, device
         self._state: Mapping[str, torch.Tensor] | None = state
         self._entries = entries
-        self.delta_base = (base.version, base.name) if base is not None else None
+        self.delta_base = base.named if base is not None else None  # (version, base digest)
         self.deltas = deltas  # sent only if every member holds `delta_base` (the roll call says)
         self.broadcast_id = uuid.uuid4().hex[:12]
         self.error = ""
@@ -211,7 +211,8 @@ class NcclPrepared(Prepared):
         return NcclDescriptor(
             sender.address, sender.store.port, group.world_size, dict(group.ranks), group.group_id,
             sender.timeout_s, group.backend, self.broadcast_id, group.secret, sender.transfer,
-            self.delta_base[1] if self.delta_base else "", tuple(d.described() for d in self.deltas),
+            nccl_delta.holding(*self.delta_base) if self.delta_base else "",
+            tuple(d.described() for d in self.deltas),
         )  # fmt: skip
 
     def view(self) -> memoryview:
@@ -236,7 +237,7 @@ class NcclPrepared(Prepared):
 
                 def verdict() -> bytes:
                     delta = self.delta_base is not None and nccl_delta.every_member_holds(
-                        keys, group.world_size, self.delta_base[1]
+                        keys, group.world_size, nccl_delta.holding(*self.delta_base)
                     )
                     return b" ".join([b"go"] + [b"mesh"] * new + [b"delta"] * delta)
 
@@ -379,10 +380,7 @@ class NcclTransport(WeightTransport):
         out.broadcast_id, out.secret = d.broadcast_id, d.secret
         out.transfer_floor_s, out.transfer_min_rate_mb_s = d.transfer.floor_s, d.transfer.min_rate_mb_s
         if prepared.delta_base is not None:
-            message.delta_base_version, message.delta_base_digest = (
-                prepared.delta_base[0],
-                prepared.delta_base[1].partition(":")[2],
-            )
+            message.delta_base_version, message.delta_base_digest = prepared.delta_base
             out.bucket_deltas.extend(
                 types_pb2.NcclBucketDelta(encoding=int(b.encoding), payload_bytes=b.payload_bytes)
                 for b in d.bucket_deltas
@@ -448,7 +446,6 @@ class NcclTransport(WeightTransport):
             "secret": d.secret,
             "transfer_floor_s": d.transfer.floor_s,
             "transfer_min_rate_mb_s": d.transfer.min_rate_mb_s,
-            "delta_base": d.delta_base,
             "bucket_deltas": nccl_delta.to_plain(d.bucket_deltas),
             **weights.manifest_to_plain(target.manifest),
         }

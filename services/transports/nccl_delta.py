@@ -45,8 +45,9 @@ class Base:
         ] == list(ranges)
 
     @property
-    def name(self) -> str:
-        return holding(self.version, self.manifest)
+    def named(self) -> tuple[int, str]:
+        """(version, base digest): what a WeightVersion's delta_base_version/_digest say of it."""
+        return self.version, weight_delta.base_digest(self.manifest)
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,9 @@ class BucketDelta:
         return BucketDelta(self.encoding, self.payload_bytes)
 
 
-def holding(version: int, manifest: weights.Manifest) -> str:
-    """Names a version's bytes as the roll call compares them."""
-    return f"{version}:{weight_delta.base_digest(manifest)}"
+def holding(version: int, digest: str) -> str:
+    """Names a version's bytes (its number, `weight_delta.base_digest`) as the roll call compares them."""
+    return f"{version}:{digest}"
 
 
 def delta_eligible(entries: list[weights.TensorEntry], total: int) -> bool:
@@ -129,4 +130,4 @@ def from_proto(message: types_pb2.WeightVersion) -> tuple[str, tuple[BucketDelta
                 f"of {bucket.nbytes} (a delta is sent only when smaller)"
             )
         out.append(BucketDelta(encoding, entry.payload_bytes))
-    return f"{message.delta_base_version}:{message.delta_base_digest}", tuple(out)
+    return holding(message.delta_base_version, message.delta_base_digest), tuple(out)

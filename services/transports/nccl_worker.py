@@ -211,7 +211,7 @@ class NcclWorker:
             except DataLoss as exc:
                 receipt.kind, receipt.error, receipt.status = "data_loss", str(exc), "failed"
                 return
-            self.holds = nccl_delta.holding(int(spec["version"]), manifest)
+            self.holds = nccl_delta.holding(int(spec["version"]), weight_delta.base_digest(manifest))
             receipt.status = "done"
         except Exception as exc:
             if previous is None or not previous.is_alive():  # else the group is still the previous one's

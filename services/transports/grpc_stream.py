@@ -148,13 +148,14 @@ def chunks(
             f"weight version {prepared.version} has no bucket {unknown[0]} (has {len(by_index)})"
         )
     selected = [by_index[b] for b in buckets] if buckets else list(prepared.manifest.buckets)
-    delta_base = getattr(prepared, "delta_base", None)
+    # only this transport's versions can be fetched as deltas (an nccl version's are broadcast)
+    delta_base = prepared.delta_base if isinstance(prepared, InMemoryPrepared) else None
     if base_version and (delta_base is None or delta_base[0] != base_version):
         raise FailedPrecondition(
             f"weight version {prepared.version} has no delta against version {base_version}"
             + (f" (its base is {delta_base[0]})" if delta_base else "")
         )
-    future = getattr(prepared, "delta", None)
+    future = prepared.delta if isinstance(prepared, InMemoryPrepared) else None
     delta = future.result() if base_version and future is not None else None  # await `delta_ready` first
     if base_version and delta is None:
         raise NotFound(f"weight version {prepared.version} was released")

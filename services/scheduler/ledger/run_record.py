@@ -23,6 +23,7 @@ from typing import Any
 from grpo.scheduler.v1 import scheduler_pb2
 from services.scheduler.ledger.group_ledger import GroupState
 from services.scheduler.ledger.store import FILE_NAME, read_ledger
+from services.scheduler.observe.metrics import is_step_row
 
 ENDINGS = ("run_finished", "run_failed", "run_stopped")  # the scheduler's ledger events
 
@@ -48,7 +49,7 @@ def _step_rows(path: Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and "reward_mean" in row and "event" not in row and not row.get("eval_only"):
+        if isinstance(row, dict) and is_step_row(row):
             rows.append(row)
     return rows
 

@@ -85,7 +85,7 @@ class MetricsLog:
         self._file.flush()
         if self.tracker is not None:
             self.tracker.log(clean)
-        if "reward_mean" in record and "event" not in record:
+        if is_step_row(record):
             self.last_step = max(self.last_step, int(record["step"]))
             self.last_record = record
             self._step_times.append(time.monotonic())
@@ -121,6 +121,11 @@ class MetricsLog:
             self.tracker.close()
 
 
+def is_step_row(row: dict[str, Any]) -> bool:
+    """A training step's row (not an evaluation-only row, nor an event such as `recovered`)."""
+    return "reward_mean" in row and "event" not in row
+
+
 def _last_step(path: Path) -> int:
     """The newest step row of an existing metrics file (0 when there is none)."""
     last = 0
@@ -131,7 +136,7 @@ def _last_step(path: Path) -> int:
                     row = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short by a crash
                     continue
-                if "reward_mean" in row and "event" not in row:
+                if is_step_row(row):
                     last = max(last, int(row["step"]))
     return last
 

@@ -221,7 +221,7 @@ def resolve_address(address: str, run_dir: Path | None) -> str:
     return os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
 
 
-def _run_security(run_dir: Path | None) -> ClientSecurity | None:
+def run_security(run_dir: Path | None) -> ClientSecurity | None:
     """The run's `[security]` table (run.toml), presenting the operator certificate; None = plaintext
     (or the process default). The config, not the tls/ folder, decides: a later plain run may reuse
     a run dir where an earlier secure one left certificates."""
@@ -239,7 +239,7 @@ def _run_security(run_dir: Path | None) -> ClientSecurity | None:
 
 def _client(address: str, run_dir: Path | None = None) -> GrpcClient:
     """The one place the view's client is built (TLS and token of a --run-dir that has them)."""
-    return GrpcClient(address, scheduler_pb2_grpc.SchedulerServiceStub, security=_run_security(run_dir))
+    return GrpcClient(address, scheduler_pb2_grpc.SchedulerServiceStub, security=run_security(run_dir))
 
 
 async def fetch(client: GrpcClient, timeout: float) -> Status:  # noqa: ASYNC109 (the call's deadline)

@@ -1,0 +1,1 @@
+"""The studio: a web page to start, watch and inspect runs and talk to the policy (docs/studio.md)."""

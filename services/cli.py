@@ -31,7 +31,7 @@ COMMANDS: dict[str, Command] = {
     "demo": Command("services.launch.demo", "Train end to end on this machine (all four services, local)."),
     "serve": Command("services.launch.serve", "Run one service: env, rollout, learner, scheduler, gateway."),
     "status": Command("services.scheduler.status_view", "A run at a glance, once or live (--watch)."),
-    "studio": Command("services.studio.server", "A web page to start, watch and inspect runs (127.0.0.1:7860)."),
+    "studio": Command("services.studio.server", "A web page to start, watch and inspect runs."),
     "audit": Command("services.scheduler.ledger.audit", "Check a run's ledger for exactly-once training."),
     "check-env": Command("services.env.check", "Smoke-test an environment before training."),
     "prepare": Command("services.launch.prepare", "A deployment's one-shot set-up step (compose's init)."),

@@ -207,7 +207,8 @@ def build_app(settings: StudioSettings) -> FastAPI:
         for group in groups:
             kept = [
                 c for c in group.completions
-                if (min_reward is None or c.reward >= min_reward) and (max_reward is None or c.reward <= max_reward)
+                if (min_reward is None or c.reward >= min_reward)
+                and (max_reward is None or c.reward <= max_reward)
                 and (not failure or c.failure == failure) and c.staleness >= min_staleness
             ]  # fmt: skip
             if kept:

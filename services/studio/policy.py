@@ -136,7 +136,8 @@ class CheckpointModels:
             tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
             if set(missing) - tied or unexpected:
                 raise FailedPrecondition(
-                    f"{checkpoint.name} does not fit {base}: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+                    f"{checkpoint.name} does not fit {base}: missing {sorted(missing)[:3]}, "
+                    f"unexpected {sorted(unexpected)[:3]}"
                 )
         model.eval()
         self._models[key] = model
@@ -163,7 +164,8 @@ class CheckpointModels:
             checkpoint = run_dir / CHECKPOINTS / source
         else:
             raise NotFound(
-                f"no checkpoint {source!r} in {run_dir / CHECKPOINTS} (have: base, {', '.join(checkpoints(run_dir)) or 'none'})"
+                f"no checkpoint {source!r} in {run_dir / CHECKPOINTS} "
+                f"(have: base, {', '.join(checkpoints(run_dir)) or 'none'})"
             )
         tokenizer = _tokenizer(base)
         if chat:
@@ -174,6 +176,7 @@ class CheckpointModels:
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if not ids:
             raise InvalidArgument("the prompt is empty once tokenized")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         with self._lock:
             model = self._load(base, checkpoint)
             torch.manual_seed(seed)
@@ -181,7 +184,7 @@ class CheckpointModels:
                 out = model.generate(
                     torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=temperature > 0,
                     temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-                    pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                    pad_token_id=pad,
                 )  # fmt: skip
         new = out[0, len(ids) :].tolist()
         return Answer(source, tokenizer.decode(new, skip_special_tokens=True), None, len(new))

@@ -254,7 +254,7 @@ def step_groups(
                             "reward": t.reward if t.HasField("reward") else None,
                         }
                         for t in c.turns
-                    ],  # fmt: skip
+                    ],
                     max_abs_diff=max(diffs) if diffs else None,
                 )
             )

@@ -136,7 +136,7 @@ class Runs:
             with contextlib.suppress(ProcessLookupError):
                 launched.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while any(r.exit_code is None for r in running) and time.monotonic() < deadline:
+        while any(r.exit_code is None for r in running) and time.monotonic() < deadline:  # noqa: ASYNC110 (child exits)
             await asyncio.sleep(0.2)
 
     # ---- the live scheduler -------------------------------------------------------------------

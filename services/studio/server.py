@@ -34,7 +34,7 @@ async def serve(settings: StudioSettings) -> None:
         uvicorn.Config(app, host=settings.host, port=port, loop="none", log_config=None, access_log=False)
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
+    while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn sets a flag)
         await asyncio.sleep(0.02)
     if settings.port_file is not None and server.started:
         tmp = settings.port_file.with_name(settings.port_file.name + ".tmp")

@@ -58,7 +58,7 @@ class Ask(BaseModel):
 
     prompt: str = Field(min_length=1, max_length=20_000)
     chat: bool = False
-    temperature: float = Field(default=0.0, ge=0, le=5)
+    temperature: float = Field(default=1.0, ge=0, le=5)
     max_tokens: int = Field(default=32, ge=1, le=4096)
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
 

@@ -4,7 +4,9 @@ versions side by side.
 - **Live**: the run's rollout serves the policy at the learner's latest committed version. The
   studio finds a healthy rollout in the scheduler's GetStatus and calls its `Generate` (its own chat
   template renders a chat message; a plain text prompt is continued as is), under a deadline, with the
-  run's TLS and token. The answer says which weight version wrote it.
+  run's TLS and token. The answer says which weight version wrote it. A training run keeps its
+  rollout at its most requests in flight, so the chat asks again every 0.25 s until a slot frees
+  (pausing the run frees them all), within its deadline.
 - **Checkpoints**: a run's checkpoints (`checkpoints/step_*/model.safetensors`, the learner's full
   weights) and the base model (`[learner] model` in run.toml) are loaded with transformers in a
   worker thread (never on the event loop), at most two at a time, and answer with the same seed.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import tomllib
 import uuid
 from collections import OrderedDict
@@ -26,10 +29,11 @@ from typing import Any
 from grpo.common.v1 import types_pb2
 from grpo.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.clients import GrpcClient
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.scheduler.status_view import run_security
 
 CHECKPOINTS = "checkpoints"
+BUSY_RETRY_S = 0.25  # a rollout at its max in flight (RESOURCE_EXHAUSTED): ask again this much later
 
 
 def model_path(run_dir: Path) -> str:
@@ -93,12 +97,21 @@ async def live_answer(
     )
     request = rollout_pb2.GenerateRequest(request_id=message.id, prompt=message, sampling_params=params)
     client = GrpcClient(rollout_address, rollout_pb2_grpc.RolloutServiceStub, security=run_security(run_dir))
+    deadline = time.monotonic() + timeout_s
     try:
-        completions = [
-            c
-            async for reply in client.stream("Generate", request, timeout=timeout_s)
-            for c in reply.completions
-        ]
+        while True:  # a training run keeps its rollout busy: wait for a free slot until the deadline
+            left = deadline - time.monotonic()
+            try:
+                completions = [
+                    c
+                    async for reply in client.stream("Generate", request, timeout=left)
+                    for c in reply.completions
+                ]
+                break
+            except ResourceExhausted:
+                if left < BUSY_RETRY_S:
+                    raise
+                await asyncio.sleep(BUSY_RETRY_S)
     finally:
         await client.close()
     if not completions:

@@ -210,8 +210,8 @@ class Runs:
         live = liveset.read(run_dir)
         if launched is None and live is not None and live.launcher.running():
             return "unreachable", status_dict  # its launcher (elsewhere) is alive: restarting it
-        if launched is not None and launched.exit_code not in (None, 0):
-            return "failed", status_dict
+        if launched is not None and (launched.exit_code or 0) > 0:
+            return "failed", status_dict  # the launcher gave up (e.g. a service failed to start)
         return ("crashed" if record is not None else "empty"), status_dict
 
 

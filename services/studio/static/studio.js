@@ -65,6 +65,7 @@ function drawChart(spec) {
     const X = (x) => L + (x - x0) / (x1 - x0) * (W - L - 4), Y = (y) => (H - B) - (y - y0) / (y1 - y0) * (H - B - 6);
     spec.series.forEach(([key, colour], i) => {
       svg += `<polyline stroke="${colour}" points="${points[i].map(([x, y]) => `${X(x).toFixed(1)},${Y(y).toFixed(1)}`).join(" ")}"><title>${key}</title></polyline>`;
+      if (points[i].length <= 40) for (const [x, y] of points[i]) svg += `<circle cx="${X(x).toFixed(1)}" cy="${Y(y).toFixed(1)}" r="2.2" fill="${colour}"/>`;
     });
     svg += `<text x="2" y="10">${fmt(y1)}</text><text x="2" y="${H - B}">${fmt(y0)}</text><text x="${L}" y="${H - 4}">step ${x0}</text><text x="${W - 50}" y="${H - 4}">${x1}</text>`;
   } else {
@@ -80,17 +81,27 @@ function drawCharts() {
   specs.forEach(drawChart);
 }
 
+// A restarted scheduler may log a step again (it re-trains what its ledger had not acknowledged): the
+// latest row of a step wins, and the curves are drawn in step order.
+function upsert(list, row) {
+  let i = list.length;
+  while (i > 0 && list[i - 1].step >= row.step) i--;
+  if (i < list.length && list[i].step === row.step) list[i] = row; else list.splice(i, 0, row);
+}
+
 function takeRows(rows) {
   for (const row of rows) {
-    if (row.eval_only) { state.evals.push(row); continue; }
+    if (row.eval_only) { upsert(state.evals, row); continue; }
     if (typeof row.step !== "number" || row.step <= 0 || !("reward_mean" in row)) continue;
-    const prev = state.steps[state.steps.length - 1];
-    if (prev && typeof row.time === "number" && typeof row.train_ms === "number") {
+    upsert(state.steps, row);
+  }
+  state.steps.forEach((row, i) => {
+    const prev = state.steps[i - 1];
+    if (prev && prev.step === row.step - 1 && typeof row.time === "number" && typeof row.train_ms === "number") {
       const wall = (row.time - prev.time) * 1000;
       if (wall > 0) row.learner_idle = Math.max(0, 1 - row.train_ms / wall);
     }
-    state.steps.push(row);
-  }
+  });
 }
 
 // ---- run state ------------------------------------------------------------------------------------
@@ -128,11 +139,15 @@ async function poll() {
   const run = state.run;
   try {
     const s = await api(`/api/runs/${run}/state`);
-    if (run === state.run) showState(s);
+    if (run === state.run) {
+      if (s.phase !== state.phase) { state.phase = s.phase; pollEvents(); }
+      showState(s);
+    }
   } catch (err) { $("#run-phase").textContent = "studio: " + err.message; }
   try {
     const m = await api(`/api/runs/${run}/metrics?offset=${state.offset}`);
     if (run !== state.run) return;
+    if (m.offset < state.offset) { state.steps = []; state.evals = []; }  // the file started over
     state.offset = m.offset;
     if (m.rows.length) { takeRows(m.rows); drawCharts(); }
     const lastStep = state.steps.length ? state.steps[state.steps.length - 1].step : -1;
@@ -247,7 +262,7 @@ async function showGroups() {
 // ---- policy ---------------------------------------------------------------------------------------
 function askBody() {
   return {prompt: $("#chat-prompt").value, chat: $("#chat-template").checked,
-    temperature: Number($("#chat-temp").value || 0), max_tokens: Number($("#chat-max").value || 16)};
+    temperature: Number($("#chat-temp").value || 1), max_tokens: Number($("#chat-max").value || 16)};
 }
 
 async function chat() {

@@ -173,6 +173,7 @@ class Trainer:
         if self.ranks is not None:  # as many passes as the rank with the most: FSDP's collectives pair up
             mbs += [collate([EMPTY_SAMPLE])] * (sharding.passes(samples, self.ranks.world, budget) - real)
         self._looks = [0, 0]
+        forwards: list[torch.Tensor] = []  # each real micro-batch's logprobs, when collected
         self.model.train()
         try:
             for index, mb in enumerate(mbs):
@@ -182,10 +183,8 @@ class Trainer:
                     logp, entropy = token_logprobs(self.model, mb, with_entropy=True)  # [B, T]
                 ref_logp = self._ref_logprobs(mb) if self.loss_cfg.kl_beta > 0 else None
                 out = policy_loss(logp, mb.behav, mb.mask, mb.adv, self.loss_cfg, norm, ref_logp)
-                if logprobs is not None and index < real:
-                    rows = logp.detach().float().cpu()  # [B, T]
-                    for row, i in enumerate(plan[index]):
-                        logprobs[i] = rows[row, : len(samples[i].completion_ids)].clone()
+                if logprobs is not None and index < real:  # to the host after the loop: no sync here
+                    forwards.append(logp.detach().float())  # [B, T]
                 self._borrow()  # backward is ~2/3 of a micro-batch: look again before it
                 if index >= real:  # an empty pass: FSDP's collectives only, no gradient, no statistics
                     (out.loss * 0.0).backward()
@@ -198,6 +197,11 @@ class Trainer:
             self.model.eval()
             if self.borrower:
                 self.borrower.give_back()
+        if logprobs is not None:  # every real pass's rows, back to their samples
+            for group, forward in zip(plan, forwards, strict=True):
+                rows = forward.cpu()  # [B, T]
+                for row, i in enumerate(group):
+                    logprobs[i] = rows[row, : len(samples[i].completion_ids)].clone()
         if self.ranks is not None:  # the whole batch's figures, on every rank
             sums, maxima = sharding.reduce_sums(
                 self.ranks,

@@ -65,7 +65,9 @@ def _same(steps_a: dict, steps_b: dict, weights_a: Path, weights_b: Path) -> Non
     logprobs_a, logprobs_b = steps_a["logprobs"], steps_b["logprobs"]
     assert [len(x) for x in logprobs_a] == [len(x) for x in logprobs_b] and len(logprobs_a) == 11
     assert all(logprobs_a), "every sample has its logprobs"
-    worst = max(abs(x - y) for a, b in zip(logprobs_a, logprobs_b, strict=True) for x, y in zip(a, b))
+    worst = max(
+        abs(x - y) for a, b in zip(logprobs_a, logprobs_b, strict=True) for x, y in zip(a, b, strict=True)
+    )
     assert worst <= 1e-5, worst
     a, b = load_file(weights_a), load_file(weights_b)
     assert a.keys() == b.keys()

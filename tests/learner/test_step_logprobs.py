@@ -58,7 +58,8 @@ async def test_train_step_returns_the_logprobs_of_the_weights_it_started_from(st
             prompt_token_ids=c.prompt_token_ids, completion_token_ids=c.completion_token_ids,
             temperature=c.sampling_params.temperature,
         )  # fmt: skip
-        before.append(list((await stub.ScoreTokens(learner_pb2.ScoreTokensRequest(sequence=sequence))).logprobs))
+        scores = await stub.ScoreTokens(learner_pb2.ScoreTokensRequest(sequence=sequence), timeout=TIMEOUT)
+        before.append(list(scores.logprobs))
 
     response = await stub.TrainStep(learner_pb2.TrainStepRequest(batch=batch), timeout=TIMEOUT)
     assert response.result.metrics["micro_batches"] >= 2  # rows come back from several passes, unsorted

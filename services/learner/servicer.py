@@ -93,7 +93,10 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
         # a batch whose loss overflowed skipped its update (update_skipped = 1): its inf/NaN metrics
         # are left out rather than sent as numbers nobody can plot
         result.metrics.update({k: v for k, v in outcome.metrics.items() if math.isfinite(v)})
-        return learner_pb2.TrainStepResponse(result=result)
+        response = learner_pb2.TrainStepResponse(result=result)
+        for logprobs in outcome.logprobs:  # per completion, in the batch's order
+            response.completion_logprobs.add().logprobs.extend(logprobs.tolist())
+        return response
 
     async def PrepareWeights(self, request, context) -> learner_pb2.PrepareWeightsResponse:
         receivers = tuple(Receiver(r.rollout_id, r.instance_id, r.workers) for r in request.receivers)

@@ -129,17 +129,23 @@ def shard(model: torch.nn.Module, ranks: Ranks, compute_dtype: torch.dtype, cfg:
             module.set_force_sum_reduction_for_comms(True)  # Gloo has no pre-multiplied sum
 
 
-def share(samples: Sequence[Sample], rank: int, world: int) -> list[Sample]:
-    """This rank's samples: longest first, each to the rank with the fewest tokens so far (ties: the
-    lowest rank). Every rank computes the same split from the same batch, without communicating."""
+def share_indices(samples: Sequence[Sample], rank: int, world: int) -> list[int]:
+    """Indices into `samples` of this rank's samples: longest first, each to the rank with the fewest
+    tokens so far (ties: the lowest rank). Every rank computes the same split from the same batch,
+    without communicating."""
     loads = [0] * world
-    mine: list[Sample] = []
+    mine: list[int] = []
     for index in sorted(range(len(samples)), key=lambda i: (-samples[i].length, i)):
         owner = min(range(world), key=lambda r: (loads[r], r))
         loads[owner] += samples[index].length
         if owner == rank:
-            mine.append(samples[index])
+            mine.append(index)
     return mine
+
+
+def share(samples: Sequence[Sample], rank: int, world: int) -> list[Sample]:
+    """This rank's samples (`share_indices`), in that order."""
+    return [samples[i] for i in share_indices(samples, rank, world)]
 
 
 def passes(samples: Sequence[Sample], world: int, token_budget: int) -> int:
@@ -158,6 +164,34 @@ def reduce_sums(ranks: Ranks, sums: dict[str, float], maxima: dict[str, float]) 
     if max_keys:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ranks.control)
     return dict(zip(keys, total.tolist(), strict=True)), dict(zip(max_keys, top.tolist(), strict=True))
+
+
+def gather_logprobs(
+    ranks: Ranks, samples: Sequence[Sample], mine: dict[int, torch.Tensor]
+) -> list[torch.Tensor]:
+    """Every sample's completion logprobs on rank 0 (in `samples`' order; [] on the other ranks), from
+    each rank's own (`mine`: sample index → fp32 [completion tokens], every index of its share). A
+    collective on the control group: every rank sends its share flattened in `share_indices` order,
+    padded to the longest share (every rank knows every share's size from the batch alone)."""
+    shares = [share_indices(samples, r, ranks.world) for r in range(ranks.world)]
+    sizes = [sum(len(samples[i].completion_ids) for i in indices) for indices in shares]
+    longest = max(sizes, default=0)
+    flat = torch.zeros(longest, dtype=torch.float32)
+    own = [mine[i] for i in shares[ranks.rank]]
+    if own:
+        flat[: sizes[ranks.rank]] = torch.cat(own)
+    gathered = [torch.empty(longest, dtype=torch.float32) for _ in shares] if ranks.leader else None
+    dist.gather(flat, gathered, dst=0, group=ranks.control)
+    if gathered is None:
+        return []
+    whole: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+    for indices, received in zip(shares, gathered, strict=True):
+        at = 0
+        for i in indices:
+            length = len(samples[i].completion_ids)
+            whole[i] = received[at : at + length].clone()
+            at += length
+    return whole
 
 
 def full_norm(norm: torch.Tensor) -> float:

@@ -17,7 +17,7 @@ import copy
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from services.common.logging import get_logger
 from services.common.weights import dtype_from_name
 from services.learner import checkpoint as ckpt
 from services.learner import sharded_checkpoint, sharding
-from services.learner.batching import MicroBatch, Sample, collate, global_norm, micro_batches
+from services.learner.batching import MicroBatch, Sample, collate, global_norm, plan_micro_batches
 from services.learner.config import (
     ACCELERATOR_MICRO_BATCH_TOKENS,
     CPU_MICRO_BATCH_TOKENS,
@@ -70,6 +70,9 @@ class StepOutcome:
     step: int
     weight_version: int
     metrics: dict[str, float]
+    # per sample of the batch, in its order: the learner's fp32 logprob of each completion token under
+    # the weights the step started from (its forward, before the update); [] on ranks other than 0
+    logprobs: list[torch.Tensor] = field(default_factory=list)
 
 
 class Trainer:
@@ -142,24 +145,35 @@ class Trainer:
     # ------------------------------------------------------------------ training
 
     def accumulate_gradients(
-        self, samples: list[Sample], token_budget: int | None = None
+        self,
+        samples: list[Sample],
+        token_budget: int | None = None,
+        logprobs: dict[int, torch.Tensor] | None = None,
     ) -> dict[str, float]:
         """Forward/backward every micro-batch of `samples`; gradients end up in `.grad` (not zeroed first).
 
         Each micro-batch loss is divided by the global counts of `samples`, so the accumulated gradient
         equals the one-big-batch gradient of the objective whatever `token_budget` is. With a borrower,
         what follows a look that finds the co-located rollouts idle (at each forward and backward, and at
-        each decoder layer's) also runs on their cores.
+        each decoder layer's) also runs on their cores. `logprobs`, when given, receives the forward's
+        logprobs of each sample this rank trains (index into `samples` → fp32 CPU [completion tokens],
+        detached: the loss is computed exactly as without it).
         """
         norm = global_norm(samples)
         stats = LossStats()
         loss_total, entropy_sum = 0.0, 0.0
         budget = token_budget or self.token_budget
-        mbs = micro_batches(self._share(samples), budget)
+        mine = self._share(samples)  # indices into samples
+        plan = [
+            [mine[i] for i in group]
+            for group in plan_micro_batches([samples[i].length for i in mine], budget)
+        ]
+        mbs = [collate([samples[i] for i in group]) for group in plan]
         real = len(mbs)
         if self.ranks is not None:  # as many passes as the rank with the most: FSDP's collectives pair up
             mbs += [collate([EMPTY_SAMPLE])] * (sharding.passes(samples, self.ranks.world, budget) - real)
         self._looks = [0, 0]
+        forwards: list[torch.Tensor] = []  # each real micro-batch's logprobs, when collected
         self.model.train()
         try:
             for index, mb in enumerate(mbs):
@@ -169,6 +183,8 @@ class Trainer:
                     logp, entropy = token_logprobs(self.model, mb, with_entropy=True)  # [B, T]
                 ref_logp = self._ref_logprobs(mb) if self.loss_cfg.kl_beta > 0 else None
                 out = policy_loss(logp, mb.behav, mb.mask, mb.adv, self.loss_cfg, norm, ref_logp)
+                if logprobs is not None and index < real:  # to the host after the loop: no sync here
+                    forwards.append(logp.detach().float())  # [B, T]
                 self._borrow()  # backward is ~2/3 of a micro-batch: look again before it
                 if index >= real:  # an empty pass: FSDP's collectives only, no gradient, no statistics
                     (out.loss * 0.0).backward()
@@ -181,6 +197,11 @@ class Trainer:
             self.model.eval()
             if self.borrower:
                 self.borrower.give_back()
+        if logprobs is not None:  # every real pass's rows, back to their samples
+            for group, forward in zip(plan, forwards, strict=True):
+                rows = forward.cpu()  # [B, T]
+                for row, i in enumerate(group):
+                    logprobs[i] = rows[row, : len(samples[i].completion_ids)].clone()
         if self.ranks is not None:  # the whole batch's figures, on every rank
             sums, maxima = sharding.reduce_sums(
                 self.ranks,
@@ -201,11 +222,11 @@ class Trainer:
             **stats.finalize(),
         }
 
-    def _share(self, samples: list[Sample]) -> list[Sample]:
-        """The samples this rank trains on (all of them for a learner of one rank)."""
+    def _share(self, samples: list[Sample]) -> list[int]:
+        """Indices of the samples this rank trains on (all of them for a learner of one rank)."""
         if self.ranks is None:
-            return samples
-        return sharding.share(samples, self.ranks.rank, self.ranks.world)
+            return list(range(len(samples)))
+        return sharding.share_indices(samples, self.ranks.rank, self.ranks.world)
 
     def _borrow(self) -> None:
         """Take the lent cores for what follows if the lenders are idle now, else give them back."""
@@ -236,7 +257,12 @@ class Trainer:
         """One optimizer step on `samples` (already validated)."""
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_metrics = self.accumulate_gradients(samples)
+        collected: dict[int, torch.Tensor] = {}
+        loss_metrics = self.accumulate_gradients(samples, logprobs=collected)
+        if self.ranks is not None:  # every rank's share, on rank 0
+            logprobs = sharding.gather_logprobs(self.ranks, samples, collected)
+        else:
+            logprobs = [collected[i] for i in range(len(samples))]
         clip = self.settings.optim.max_grad_norm
         max_norm = clip if clip > 0 else float("inf")
         grad_norm = sharding.full_norm(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
@@ -265,7 +291,7 @@ class Trainer:
         }
         if rewards:
             metrics["reward_mean"] = sum(rewards) / len(rewards)
-        self.last_outcome = StepOutcome(self.step, self.weight_version, metrics)
+        self.last_outcome = StepOutcome(self.step, self.weight_version, metrics, logprobs)
         every = self.settings.checkpoint.every
         if self.settings.checkpoint.dir and every > 0 and self.step % every == 0:
             self.save_checkpoint(background=self.settings.checkpoint.background)

@@ -255,6 +255,7 @@ class Orchestrator:
             # before the loop runs anything else: admission reads the version with the pipeline's size
             self.version, self.step = result.weight_version, result.step
             self.lineage.acknowledge(row, result.weight_version)
+            self.store.learner_logprobs(row.step, batch.groups, result.completion_logprobs)
             await self.pool.notify()
             self.batches.trained(planned.staleness)
             await self._settle()

@@ -2,8 +2,9 @@
 rollouts (the orchestration logic itself is tested with in-memory peers in tests/scheduler).
 
 Checks the orchestration contract end to end over real gRPC (the vLLM path: test_e2e_vllm.py):
-versions advance by one per step, alignment is measured after every sync, the status RPC tells the
-truth, bad requests get INVALID_ARGUMENT, and a rollout that dies mid-run costs no group.
+versions advance by one per step, alignment is measured after every sync, the ledger keeps the
+learner's logprobs of every trained completion, the status RPC tells the truth, bad requests get
+INVALID_ARGUMENT, and a rollout that dies mid-run costs no group.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import json
 import os
 import re
+import sqlite3
 import sys
 import urllib.request
 from pathlib import Path
@@ -33,6 +35,8 @@ from services.learner.server import LearnerApp
 from services.rollout.config import RolloutSettings
 from services.rollout.server import RolloutApp
 from services.scheduler.config import SchedulerSettings
+from services.scheduler.ledger.store import FILE_NAME, load_scored, read_ledger
+from services.scheduler.ledger.token_scores import read_learner_logprobs
 from services.scheduler.server import SchedulerApp
 
 GROUPS = 4
@@ -116,6 +120,8 @@ async def test_run_status_and_bad_requests(tiny_model_dir: Path, tmp_path: Path)
             for r in rows
         )
 
+        _check_learner_logprobs(tmp_path)
+
         assert (await stub.Pause(scheduler_pb2.PauseRequest(), timeout=5)).paused
         assert (await stub.GetStatus(scheduler_pb2.GetStatusRequest(), timeout=5)).paused
         assert not (await stub.Resume(scheduler_pb2.ResumeRequest(), timeout=5)).paused
@@ -162,6 +168,32 @@ async def test_run_status_and_bad_requests(tiny_model_dir: Path, tmp_path: Path)
     finally:
         await channel.close()
         await _close_all(scheduler, *rollouts, learner, env)
+
+
+def _check_learner_logprobs(run_dir: Path) -> None:
+    """Every trained group has the learner's logprobs in the ledger, one per completion token; where
+    the rollout sampled with the very weights the learner trained from, they match its own within the
+    alignment bound (both fp32 on CPU)."""
+    ledger = read_ledger(run_dir)
+    db = sqlite3.connect(f"file:{run_dir / FILE_NAME}?mode=ro", uri=True)
+    try:
+        scored = load_scored(db, [gid for b in ledger.batches.values() for gid in b.group_ids])
+    finally:
+        db.close()
+    stored = read_learner_logprobs(run_dir / FILE_NAME, scored)
+    assert stored.keys() == scored.keys() and len(stored) == 3 * GROUPS
+    same_weights = 0
+    for batch in ledger.batches.values():
+        for gid in batch.group_ids:
+            completions = scored[gid].completions
+            assert [len(lp) for lp in stored[gid]] == [len(c.completion_token_ids) for c in completions]
+            for completion, learner in zip(completions, stored[gid], strict=True):
+                assert all(lp <= 0.0 for lp in learner)
+                if {span.version for span in completion.version_spans} == {batch.train_version}:
+                    same_weights += 1
+                    worst = max(abs(a - b) for a, b in zip(learner, completion.logprobs, strict=True))
+                    assert worst <= 1e-3, (gid, worst)
+    assert same_weights >= GROUPS * 4  # step 0's completions at least: every one from version 0
 
 
 def _scrape(port: int | None) -> str:

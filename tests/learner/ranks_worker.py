@@ -2,9 +2,10 @@
 
 For each case (objective × LoRA) rank 0 builds its trainer through `ranks.build` (announcing it), the
 other ranks `follow`; two optimizer steps on a fixed batch, then an export. Rank 0 writes, per case,
-the two steps' loss and gradient norm and the exported (gathered) weights to `<out>/<case>.safetensors`
-and `<out>/<case>.json`. The RESUMED cases also checkpoint after their first step (in the background,
-as the learner does), into `<out>/checkpoints/<case>`.
+the two steps' loss, gradient norm and per-token learner logprobs (gathered from every rank), and the
+exported (gathered) weights to `<out>/<case>.safetensors` and `<out>/<case>.json`. The RESUMED cases
+also checkpoint after their first step (in the background, as the learner does), into
+`<out>/checkpoints/<case>`.
 
 `--shard-one-rank`: alone, but sharded with FSDP2 all the same (a process group of one).
 
@@ -103,9 +104,8 @@ def main() -> None:
         steps = []
         for step in (1,) if resuming else (0, 1):
             outcome = trainer.train_step(batch(step), f"b{step}")
-            steps.append(
-                {k: outcome.metrics[k] for k in ("loss", "grad_norm", "num_tokens", "micro_batches")}
-            )
+            figures = {k: outcome.metrics[k] for k in ("loss", "grad_norm", "num_tokens", "micro_batches")}
+            steps.append({**figures, "logprobs": [lp.tolist() for lp in outcome.logprobs]})
             if step == 0 and config.checkpoint.dir is not None:
                 trainer.save_checkpoint(background=True)  # as the learner does: written behind step 1
         weights = trainer.export()

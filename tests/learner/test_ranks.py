@@ -4,7 +4,8 @@
 fine-tune and with LoRA, once alone and once as two ranks under torchrun (rank 0 announcing every
 operation, rank 1 following: ranks.py). The batches are split unevenly between the ranks and into
 micro-batches of different counts (rank 1 runs an empty pass), one sample has an environment span.
-Loss, gradient norm and every exported weight must agree within 1e-6. So must one rank sharded with
+Loss, gradient norm and every exported weight must agree within 1e-6, and the learner logprobs
+each step returns (rank 1's share gathered to rank 0) within 1e-5. So must one rank sharded with
 FSDP2 (`distributed.shard_one_rank`: a process group of one, no torchrun) and one rank unsharded.
 
 Checkpoints move between numbers of ranks: a checkpoint written after the first step at one rank
@@ -60,6 +61,14 @@ def _same(steps_a: dict, steps_b: dict, weights_a: Path, weights_b: Path) -> Non
     assert abs(steps_a["loss"] - steps_b["loss"]) <= TOLERANCE, (steps_a, steps_b)
     assert abs(steps_a["grad_norm"] - steps_b["grad_norm"]) <= TOLERANCE, (steps_a, steps_b)
     assert steps_a["grad_norm"] > 1e-3  # a real gradient
+    # the step's learner logprobs, gathered to rank 0 in the batch's order: one list per sample
+    logprobs_a, logprobs_b = steps_a["logprobs"], steps_b["logprobs"]
+    assert [len(x) for x in logprobs_a] == [len(x) for x in logprobs_b] and len(logprobs_a) == 11
+    assert all(logprobs_a), "every sample has its logprobs"
+    worst = max(
+        abs(x - y) for a, b in zip(logprobs_a, logprobs_b, strict=True) for x, y in zip(a, b, strict=True)
+    )
+    assert worst <= 1e-5, worst
     a, b = load_file(weights_a), load_file(weights_b)
     assert a.keys() == b.keys()
     assert not any(".lora_" in key or ".base_layer." in key for key in b)  # merged, in HF names

@@ -105,7 +105,8 @@ class FakeEnv:
 
 
 class FakeLearner:
-    """Version = step; `prepare` publishes the current version; scores every token -1.0. A batch whose
+    """Version = step; `prepare` publishes the current version; scores every token -1.0 (a train
+    step's logprobs: -instance, the process that trained it). A batch whose
     id is the last one trained is not trained again (as the real learner). Faults: `crash_before[s] = k`
     (dies when batch s arrives), `crash_after[s] = k` (trains batch s, dies before answering); either
     way it comes back `restart_delay` s later as a new process restored from its checkpoint at
@@ -171,7 +172,11 @@ class FakeLearner:
         if batch.step in self.crash_after:
             self._crash(self.crash_after.pop(batch.step))
             raise Unavailable("learner: connection reset")
-        return StepResult(self.version, self.version, {"loss": 0.5})
+        # every token's logprob names the process that trained it: -instance (a replay overwrites)
+        logprobs = [
+            [-float(self.instance)] * len(c.completion_token_ids) for g in batch.groups for c in g.completions
+        ]
+        return StepResult(self.version, self.version, {"loss": 0.5}, logprobs)
 
     async def prepare(
         self, kind: TransportKind, receivers: Sequence[Receiver] = (), holders: Sequence[Holder] | None = None

@@ -236,6 +236,22 @@ class TrainBatch(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[ScoredGroup]
     def __init__(self, batch_id: _Optional[str] = ..., step: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[ScoredGroup, _Mapping]]] = ...) -> None: ...
 
+class CompletionLogprobs(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class GroupLogprobs(_message.Message):
+    __slots__ = ("group_id", "step", "completions")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    step: int
+    completions: _containers.RepeatedCompositeFieldContainer[CompletionLogprobs]
+    def __init__(self, group_id: _Optional[str] = ..., step: _Optional[int] = ..., completions: _Optional[_Iterable[_Union[CompletionLogprobs, _Mapping]]] = ...) -> None: ...
+
 class StepResult(_message.Message):
     __slots__ = ("step", "weight_version", "metrics")
     class MetricsEntry(_message.Message):

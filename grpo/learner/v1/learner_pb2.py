@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from grpo.common.v1 import types_pb2 as grpo_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgrpo/learner/v1/learner.proto\x12\x0fgrpo.learner.v1\x1a\x1agrpo/common/v1/types.proto\"=\n\x10TrainStepRequest\x12)\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.grpo.common.v1.TrainBatch\"?\n\x11TrainStepResponse\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x1a.grpo.common.v1.StepResult\"\xcb\x01\n\x15PrepareWeightsRequest\x12\x36\n\ttransport\x18\x01 \x01(\x0e\x32#.grpo.common.v1.WeightTransportKind\x12\x32\n\treceivers\x18\x02 \x03(\x0b\x32\x1f.grpo.learner.v1.WeightReceiver\x12.\n\x07holders\x18\x03 \x03(\x0b\x32\x1d.grpo.learner.v1.WeightHolder\x12\x16\n\x0eholders_listed\x18\x04 \x01(\x08\"^\n\x0cWeightHolder\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x14\n\x0cowns_weights\x18\x04 \x01(\x08\"J\n\x0eWeightReceiver\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"c\n\x16PrepareWeightsResponse\x12\x35\n\x0eweight_version\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.WeightVersion\x12\x12\n\nprepare_ms\x18\x02 \x01(\x01\"M\n\x13\x46\x65tchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x02 \x03(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\"B\n\x14\x46\x65tchWeightsResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1b.grpo.common.v1.WeightChunk\"(\n\x15ReleaseWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x18\n\x16ReleaseWeightsResponse\"E\n\x12ScoreTokensRequest\x12/\n\x08sequence\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.TokenSequence\"?\n\x13ScoreTokensResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x18\n\x16GetLearnerStateRequest\"\xf6\x01\n\x17GetLearnerStateResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04loss\x18\x04 \x01(\t\x12\x19\n\x11prepared_versions\x18\x05 \x03(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x15\n\rlast_batch_id\x18\x08 \x01(\t\x12\x12\n\nlineage_id\x18\t \x01(\t\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\r\n\x05ranks\x18\x0b \x01(\x05\x12\x0f\n\x07sharded\x18\x0c \x01(\x08\"R\n\x18RestoreCheckpointRequest\x12\x12\n\nlineage_id\x18\x01 \x01(\t\x12\x10\n\x08max_step\x18\x02 \x01(\x03\x12\x10\n\x08min_step\x18\x03 \x01(\x03\"o\n\x19RestoreCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x15\n\rlast_batch_id\x18\x03 \x01(\t\x12\x15\n\rprevious_step\x18\x04 \x01(\x03\x32\xb5\x05\n\x0eLearnerService\x12R\n\tTrainStep\x12!.grpo.learner.v1.TrainStepRequest\x1a\".grpo.learner.v1.TrainStepResponse\x12\x61\n\x0ePrepareWeights\x12&.grpo.learner.v1.PrepareWeightsRequest\x1a\'.grpo.learner.v1.PrepareWeightsResponse\x12]\n\x0c\x46\x65tchWeights\x12$.grpo.learner.v1.FetchWeightsRequest\x1a%.grpo.learner.v1.FetchWeightsResponse0\x01\x12\x61\n\x0eReleaseWeights\x12&.grpo.learner.v1.ReleaseWeightsRequest\x1a\'.grpo.learner.v1.ReleaseWeightsResponse\x12X\n\x0bScoreTokens\x12#.grpo.learner.v1.ScoreTokensRequest\x1a$.grpo.learner.v1.ScoreTokensResponse\x12\x64\n\x0fGetLearnerState\x12\'.grpo.learner.v1.GetLearnerStateRequest\x1a(.grpo.learner.v1.GetLearnerStateResponse\x12j\n\x11RestoreCheckpoint\x12).grpo.learner.v1.RestoreCheckpointRequest\x1a*.grpo.learner.v1.RestoreCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgrpo/learner/v1/learner.proto\x12\x0fgrpo.learner.v1\x1a\x1agrpo/common/v1/types.proto\"=\n\x10TrainStepRequest\x12)\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.grpo.common.v1.TrainBatch\"\x80\x01\n\x11TrainStepResponse\x12*\n\x06result\x18\x01 \x01(\x0b\x32\x1a.grpo.common.v1.StepResult\x12?\n\x13\x63ompletion_logprobs\x18\x02 \x03(\x0b\x32\".grpo.common.v1.CompletionLogprobs\"\xcb\x01\n\x15PrepareWeightsRequest\x12\x36\n\ttransport\x18\x01 \x01(\x0e\x32#.grpo.common.v1.WeightTransportKind\x12\x32\n\treceivers\x18\x02 \x03(\x0b\x32\x1f.grpo.learner.v1.WeightReceiver\x12.\n\x07holders\x18\x03 \x03(\x0b\x32\x1d.grpo.learner.v1.WeightHolder\x12\x16\n\x0eholders_listed\x18\x04 \x01(\x08\"^\n\x0cWeightHolder\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x14\n\x0cowns_weights\x18\x04 \x01(\x08\"J\n\x0eWeightReceiver\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"c\n\x16PrepareWeightsResponse\x12\x35\n\x0eweight_version\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.WeightVersion\x12\x12\n\nprepare_ms\x18\x02 \x01(\x01\"M\n\x13\x46\x65tchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x02 \x03(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\"B\n\x14\x46\x65tchWeightsResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1b.grpo.common.v1.WeightChunk\"(\n\x15ReleaseWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x18\n\x16ReleaseWeightsResponse\"E\n\x12ScoreTokensRequest\x12/\n\x08sequence\x18\x01 \x01(\x0b\x32\x1d.grpo.common.v1.TokenSequence\"?\n\x13ScoreTokensResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x18\n\x16GetLearnerStateRequest\"\xf6\x01\n\x17GetLearnerStateResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04loss\x18\x04 \x01(\t\x12\x19\n\x11prepared_versions\x18\x05 \x03(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x15\n\rlast_batch_id\x18\x08 \x01(\t\x12\x12\n\nlineage_id\x18\t \x01(\t\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\r\n\x05ranks\x18\x0b \x01(\x05\x12\x0f\n\x07sharded\x18\x0c \x01(\x08\"R\n\x18RestoreCheckpointRequest\x12\x12\n\nlineage_id\x18\x01 \x01(\t\x12\x10\n\x08max_step\x18\x02 \x01(\x03\x12\x10\n\x08min_step\x18\x03 \x01(\x03\"o\n\x19RestoreCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x15\n\rlast_batch_id\x18\x03 \x01(\t\x12\x15\n\rprevious_step\x18\x04 \x01(\x03\x32\xb5\x05\n\x0eLearnerService\x12R\n\tTrainStep\x12!.grpo.learner.v1.TrainStepRequest\x1a\".grpo.learner.v1.TrainStepResponse\x12\x61\n\x0ePrepareWeights\x12&.grpo.learner.v1.PrepareWeightsRequest\x1a\'.grpo.learner.v1.PrepareWeightsResponse\x12]\n\x0c\x46\x65tchWeights\x12$.grpo.learner.v1.FetchWeightsRequest\x1a%.grpo.learner.v1.FetchWeightsResponse0\x01\x12\x61\n\x0eReleaseWeights\x12&.grpo.learner.v1.ReleaseWeightsRequest\x1a\'.grpo.learner.v1.ReleaseWeightsResponse\x12X\n\x0bScoreTokens\x12#.grpo.learner.v1.ScoreTokensRequest\x1a$.grpo.learner.v1.ScoreTokensResponse\x12\x64\n\x0fGetLearnerState\x12\'.grpo.learner.v1.GetLearnerStateRequest\x1a(.grpo.learner.v1.GetLearnerStateResponse\x12j\n\x11RestoreCheckpoint\x12).grpo.learner.v1.RestoreCheckpointRequest\x1a*.grpo.learner.v1.RestoreCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,36 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAINSTEPREQUEST']._serialized_start=78
   _globals['_TRAINSTEPREQUEST']._serialized_end=139
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=141
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=204
-  _globals['_PREPAREWEIGHTSREQUEST']._serialized_start=207
-  _globals['_PREPAREWEIGHTSREQUEST']._serialized_end=410
-  _globals['_WEIGHTHOLDER']._serialized_start=412
-  _globals['_WEIGHTHOLDER']._serialized_end=506
-  _globals['_WEIGHTRECEIVER']._serialized_start=508
-  _globals['_WEIGHTRECEIVER']._serialized_end=582
-  _globals['_PREPAREWEIGHTSRESPONSE']._serialized_start=584
-  _globals['_PREPAREWEIGHTSRESPONSE']._serialized_end=683
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=685
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=762
-  _globals['_FETCHWEIGHTSRESPONSE']._serialized_start=764
-  _globals['_FETCHWEIGHTSRESPONSE']._serialized_end=830
-  _globals['_RELEASEWEIGHTSREQUEST']._serialized_start=832
-  _globals['_RELEASEWEIGHTSREQUEST']._serialized_end=872
-  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_start=874
-  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_end=898
-  _globals['_SCORETOKENSREQUEST']._serialized_start=900
-  _globals['_SCORETOKENSREQUEST']._serialized_end=969
-  _globals['_SCORETOKENSRESPONSE']._serialized_start=971
-  _globals['_SCORETOKENSRESPONSE']._serialized_end=1034
-  _globals['_GETLEARNERSTATEREQUEST']._serialized_start=1036
-  _globals['_GETLEARNERSTATEREQUEST']._serialized_end=1060
-  _globals['_GETLEARNERSTATERESPONSE']._serialized_start=1063
-  _globals['_GETLEARNERSTATERESPONSE']._serialized_end=1309
-  _globals['_RESTORECHECKPOINTREQUEST']._serialized_start=1311
-  _globals['_RESTORECHECKPOINTREQUEST']._serialized_end=1393
-  _globals['_RESTORECHECKPOINTRESPONSE']._serialized_start=1395
-  _globals['_RESTORECHECKPOINTRESPONSE']._serialized_end=1506
-  _globals['_LEARNERSERVICE']._serialized_start=1509
-  _globals['_LEARNERSERVICE']._serialized_end=2202
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=142
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=270
+  _globals['_PREPAREWEIGHTSREQUEST']._serialized_start=273
+  _globals['_PREPAREWEIGHTSREQUEST']._serialized_end=476
+  _globals['_WEIGHTHOLDER']._serialized_start=478
+  _globals['_WEIGHTHOLDER']._serialized_end=572
+  _globals['_WEIGHTRECEIVER']._serialized_start=574
+  _globals['_WEIGHTRECEIVER']._serialized_end=648
+  _globals['_PREPAREWEIGHTSRESPONSE']._serialized_start=650
+  _globals['_PREPAREWEIGHTSRESPONSE']._serialized_end=749
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=751
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=828
+  _globals['_FETCHWEIGHTSRESPONSE']._serialized_start=830
+  _globals['_FETCHWEIGHTSRESPONSE']._serialized_end=896
+  _globals['_RELEASEWEIGHTSREQUEST']._serialized_start=898
+  _globals['_RELEASEWEIGHTSREQUEST']._serialized_end=938
+  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_start=940
+  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_end=964
+  _globals['_SCORETOKENSREQUEST']._serialized_start=966
+  _globals['_SCORETOKENSREQUEST']._serialized_end=1035
+  _globals['_SCORETOKENSRESPONSE']._serialized_start=1037
+  _globals['_SCORETOKENSRESPONSE']._serialized_end=1100
+  _globals['_GETLEARNERSTATEREQUEST']._serialized_start=1102
+  _globals['_GETLEARNERSTATEREQUEST']._serialized_end=1126
+  _globals['_GETLEARNERSTATERESPONSE']._serialized_start=1129
+  _globals['_GETLEARNERSTATERESPONSE']._serialized_end=1375
+  _globals['_RESTORECHECKPOINTREQUEST']._serialized_start=1377
+  _globals['_RESTORECHECKPOINTREQUEST']._serialized_end=1459
+  _globals['_RESTORECHECKPOINTRESPONSE']._serialized_start=1461
+  _globals['_RESTORECHECKPOINTRESPONSE']._serialized_end=1572
+  _globals['_LEARNERSERVICE']._serialized_start=1575
+  _globals['_LEARNERSERVICE']._serialized_end=2268
 # @@protoc_insertion_point(module_scope)

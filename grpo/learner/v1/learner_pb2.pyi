@@ -14,10 +14,12 @@ class TrainStepRequest(_message.Message):
     def __init__(self, batch: _Optional[_Union[_types_pb2.TrainBatch, _Mapping]] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
-    __slots__ = ("result",)
+    __slots__ = ("result", "completion_logprobs")
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     result: _types_pb2.StepResult
-    def __init__(self, result: _Optional[_Union[_types_pb2.StepResult, _Mapping]] = ...) -> None: ...
+    completion_logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.CompletionLogprobs]
+    def __init__(self, result: _Optional[_Union[_types_pb2.StepResult, _Mapping]] = ..., completion_logprobs: _Optional[_Iterable[_Union[_types_pb2.CompletionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrepareWeightsRequest(_message.Message):
     __slots__ = ("transport", "receivers", "holders", "holders_listed")

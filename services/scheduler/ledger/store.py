@@ -12,6 +12,8 @@ audit reads (`audit.py`). Tables:
     batches    step → batch id, the learner version it trains at, its group ids (immutable)
     trainings  one row per acknowledged optimizer step: step, batch, version after, learner instance
                and lineage generation (a learner restart rewinds and re-trains: several rows per step)
+    learner_logprobs  group id → the step that trained it and the learner's logprob of each of its
+               completions' tokens (a GroupLogprobs message; `token_scores.py` reads them)
     events     scheduler starts, learner restarts and rewinds, recoveries (JSON detail)
 
 Writes never block the event loop: changes are queued in memory (a dict of changed records, a list
@@ -28,20 +30,25 @@ import json
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from grpo.common.v1 import types_pb2
+from services.common.logging import get_logger
+from services.scheduler.ledger import token_scores
 from services.scheduler.ledger.group_ledger import GroupRecord, GroupState
 from services.scheduler.peers.clients import ScoredGroup
+
+log = get_logger(__name__)
 
 FILE_NAME = "ledger.sqlite"
 SCHEMA_VERSION = "1"
 
-_SCHEMA = """
+_SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS prompts (position INTEGER PRIMARY KEY, prompt BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS groups (
@@ -62,6 +69,8 @@ CREATE TABLE IF NOT EXISTS trainings (
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, at REAL NOT NULL, detail TEXT NOT NULL);
 """
+    + token_scores.TABLE_SCHEMA
+)
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,7 @@ class LedgerStore:
         self._groups: dict[str, GroupRecord] = {}  # changed since the last flush
         self._prompts: list[tuple[int, types_pb2.Prompt]] = []
         self._scored: list[ScoredGroup] = []
+        self._logprobs: list[tuple[int, list[tuple[str, token_scores.GroupScores]]]] = []
         self._rows: list[tuple[str, tuple]] = []  # (statement, parameters), in order
         self.flushes = 0
         self.flush_seconds = 0.0  # time spent writing, on the store's thread (not the event loop)
@@ -173,6 +183,22 @@ class LedgerStore:
             (step, batch_id, version_after, instance, generation, time.time()),
         ))  # fmt: skip
 
+    def learner_logprobs(
+        self, step: int, groups: Sequence[ScoredGroup], completions: Sequence[Sequence[float]]
+    ) -> None:
+        """The learner's logprobs of step `step`'s batch (`completions`, in the batch's order: its
+        `groups` in order, each group's completions in order), one row per group; written at the next
+        flush, replacing what an earlier training of the group wrote. An answer without any (a retry
+        answered from a resumed checkpoint) leaves the rows as they are, and so does one that does not
+        match the batch (logged: a viewer's figures never stop a run)."""
+        if not completions:
+            return
+        counts = [(g.group_id, len(g.completions)) for g in groups]
+        try:
+            self._logprobs.append((step, token_scores.split_by_group(counts, completions)))
+        except ValueError as exc:
+            log.warning("learner logprobs not recorded", step=step, error=str(exc))
+
     def event(self, kind: str, **detail: Any) -> None:
         self._rows.append((
             "INSERT INTO events (kind, at, detail) VALUES (?, ?, ?)",
@@ -185,7 +211,7 @@ class LedgerStore:
 
     @property
     def dirty(self) -> bool:
-        return bool(self._groups or self._prompts or self._scored or self._rows)
+        return bool(self._groups or self._prompts or self._scored or self._rows or self._logprobs)
 
     # ---- durable points -----------------------------------------------------------------------------
 
@@ -205,12 +231,12 @@ class LedgerStore:
         # What changed is taken now, on the loop (cheap: a row tuple per changed group); the O(tokens)
         # serialization of scored groups and the SQL run on the store's thread.
         groups = [_group_row(r) for r in self._groups.values()]
-        prompts, scored, rows = self._prompts, self._scored, self._rows
-        self._groups, self._prompts, self._scored, self._rows = {}, [], [], []
+        prompts, scored, rows, logprobs = self._prompts, self._scored, self._rows, self._logprobs
+        self._groups, self._prompts, self._scored, self._rows, self._logprobs = {}, [], [], [], []
         # The rows are off the queues now: a flusher cancelled while waiting (the run ending) must not
         # cancel their write, or a write still queued on the store's thread would be dropped. The
         # single-thread executor runs it before `close` closes the database.
-        await asyncio.shield(self._call(lambda: self._write(groups, prompts, scored, rows)))
+        await asyncio.shield(self._call(lambda: self._write(groups, prompts, scored, rows, logprobs)))
 
     def _write(
         self,
@@ -218,6 +244,7 @@ class LedgerStore:
         prompts: list[tuple[int, types_pb2.Prompt]],
         scored: list[ScoredGroup],
         rows: list[tuple[str, tuple]],
+        logprobs: list[tuple[int, list[tuple[str, token_scores.GroupScores]]]],
     ) -> None:
         started = time.perf_counter()
         db = self._connection()
@@ -235,6 +262,10 @@ class LedgerStore:
             )
             for statement, parameters in rows:
                 db.execute(statement, parameters)
+            db.executemany(  # serialized here, on the store's thread (O(tokens))
+                token_scores.INSERT,
+                [token_scores.encode(gid, step, lps) for step, groups in logprobs for gid, lps in groups],
+            )
         self.flushes += 1
         self.flush_seconds += time.perf_counter() - started
 

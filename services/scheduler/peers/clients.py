@@ -99,6 +99,9 @@ class StepResult:
     step: int
     weight_version: int
     metrics: dict[str, float] = field(default_factory=dict)
+    # the learner's logprob of every completion token of the batch, per completion in the batch's
+    # order, under the weights the step started from (TrainStepResponse.completion_logprobs)
+    completion_logprobs: Sequence[Sequence[float]] = ()
 
 
 @dataclass(frozen=True)

@@ -142,8 +142,10 @@ class GrpcLearnerClient(_PeerClient[learner_pb2_grpc.LearnerServiceStub]):
                 )
             )
         request = learner_pb2.TrainStepRequest(batch=message)
-        result = (await self.unary("TrainStep", request, self._timeouts.train_step)).result
-        return StepResult(result.step, result.weight_version, dict(result.metrics))
+        response = await self.unary("TrainStep", request, self._timeouts.train_step)
+        result = response.result
+        logprobs = [list(c.logprobs) for c in response.completion_logprobs]
+        return StepResult(result.step, result.weight_version, dict(result.metrics), logprobs)
 
     async def prepare(
         self, kind: TransportKind, receivers: Sequence[Receiver] = (), holders: Sequence[Holder] | None = None

@@ -30,6 +30,14 @@ single-turn environment is the one-turn case of the same path. The framework own
 appends the environment's messages as tokens after the model's sampled ones and never re-renders the
 conversation (docs/agents.md).
 
+**Difficulty levels** (optional, for a curriculum): `levels()` names the train split's levels, easiest
+first (empty by default), and `level_prompt_at(level, index)` is the index-th prompt of one level's
+own train stream (`level_size(level)`: 0 = procedural, the default). With levels, the cursor serves
+the train split through them: a draw naming a level reads that level's stream, and the train stream
+without a level interleaves the levels round-robin (position p is position p // K of level p % K),
+so it is uniform over levels; every train prompt carries `metadata["level"]`. `prompt_at("train", …)`
+is then never called; the eval split is unchanged.
+
 Optional hooks: `setup()` (load data, runs in the service), `setup_scorer()` (runs once in each
 scoring worker), `evaluate(results)` (extra eval metrics), `reference_completion`/`wrong_answers`
 (used by `grpo-mesh check-env`), `options_dict()` (what DescribeEnvironment shows).
@@ -246,6 +254,19 @@ class Environment(Generic[OptionsT]):
         a run resumable. Positions are in the source's own order (the cursor does not shuffle them).
         """
         raise NotImplementedError(f"{type(self).__name__} implements neither prompt_at nor sample")
+
+    # ----------------------------------------------------------------- difficulty levels (optional)
+    def levels(self) -> Sequence[str]:
+        """Names of the train split's difficulty levels, easiest first; empty (the default) = none."""
+        return ()
+
+    def level_size(self, level: str) -> int:
+        """Number of prompts of one level's train stream; 0 (the default) = procedural (unbounded)."""
+        return 0
+
+    def level_prompt_at(self, level: str, index: int) -> PromptItem:
+        """The index-th prompt of `level`'s own train stream (deterministic). Implement it with `levels`."""
+        raise NotImplementedError(f"{type(self).__name__} declares levels but implements no level_prompt_at")
 
     # ----------------------------------------------------------------- scorer (runs in a worker process)
     async def score(self, prompt: PromptItem, completions: Sequence[str]) -> list[Score | float | None]:

@@ -12,16 +12,25 @@ A position counts prompts served from a split since the start of the run:
 
 A source that overrides `Environment.sample` (no random access) gets the positions as they are and
 chooses its own order; the eval bound still applies when it declares an eval `split_size`.
+
+**Levels** (`Environment.levels()`, K of them): each level is a train stream of its own, with its own
+position (`level_positions`), read like the train split (`level_size`, `level_prompt_at`, a finite
+level shuffled per epoch by `f"{env.name}/{env.seed}/level/{level}/epoch/{epoch}"`). The train split
+drawn without a level interleaves them: its position p is position p // K of level levels[p % K]. So
+level L's position j is train position j * K + L's index (`interleaved`): a scheduler that draws by
+level keeps one position space, the train split's, and the same position always holds the same
+prompt. Every train prompt of a leveled env carries `metadata["level"]`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument, quoted
 from services.env.base import SPLITS, Environment, PromptItem, SplitName, has_own_sample
 
 # The largest position a draw may start at. Positions are int64 on the wire (next_position) and JSON
@@ -43,36 +52,62 @@ class Draw:
         return self.start + len(self.prompts)
 
 
-class PromptCursor:
-    """Positions of the train and eval splits of `env`, and the position → item mapping.
+def interleaved(levels: Sequence[str], level: str, position: int) -> int:
+    """The train-split position of `level`'s stream position `position` (see the module docstring)."""
+    return position * len(levels) + list(levels).index(level)
 
-    Positions are reserved before any prompt is read, so concurrent draws get disjoint ranges.
+
+class PromptCursor:
+    """Positions of the train and eval splits of `env` (and of each of its levels), and the position →
+    item mapping. Positions are reserved before any prompt is read, so concurrent draws get disjoint
+    ranges.
     """
 
     def __init__(self, env: Environment[Any]) -> None:
         self.env = env
+        self.levels: tuple[str, ...] = tuple(env.levels())
+        if len(set(self.levels)) != len(self.levels) or not all(self.levels):
+            raise ValueError(
+                f"environment {env.name!r}: levels must be distinct non-empty names: {self.levels}"
+            )
+        if self.levels and has_own_sample(env):
+            raise ValueError(
+                f"environment {env.name!r}: levels need random access (level_prompt_at), not sample"
+            )
         self._positions: dict[SplitName, int] = dict.fromkeys(SPLITS, 0)
-        self._epoch_order: tuple[tuple[int, int], list[int]] | None = None  # ((size, epoch), order)
+        self._level_positions: dict[str, int] = {}
+        self._epoch_order: dict[str, tuple[tuple[int, int], list[int]]] = {}  # key -> ((size, epoch), order)
 
     def positions(self) -> dict[SplitName, int]:
         """Every split's position (what a run saves to resume; GetEnvironmentState reports it)."""
         return dict(self._positions)
 
+    def level_positions(self) -> dict[str, int]:
+        """The position of each level stream drawn from by name so far."""
+        return dict(self._level_positions)
+
     def index_at(self, split: SplitName, position: int, size: int | None = None) -> int:
         """The item index (for `prompt_at`) at a position: train shuffled per epoch, eval as is
         (`size`: the split's size when the caller has it already; `split_size` is user code)."""
         size = self.env.split_size(split) if size is None else size
+        if size == 0 or split == "eval":
+            return position % size if size else position
+        return self._shuffled(f"{self.env.name}/{self.env.seed}/epoch", size, position)
+
+    def level_index_at(self, level: str, position: int, size: int) -> int:
+        """The item index (for `level_prompt_at`) at a position of a level's stream."""
         if size == 0:
             return position
+        return self._shuffled(f"{self.env.name}/{self.env.seed}/level/{level}/epoch", size, position)
+
+    def _shuffled(self, key: str, size: int, position: int) -> int:
         epoch, offset = divmod(position, size)
-        if split == "eval":
-            return offset
-        cached = self._epoch_order  # a local: draws in other threads may replace the cache meanwhile
+        cached = self._epoch_order.get(key)  # draws in other threads may replace the cache meanwhile
         if cached is None or cached[0] != (size, epoch):
             order = list(range(size))
-            random.Random(f"{self.env.name}/{self.env.seed}/epoch/{epoch}").shuffle(order)
+            random.Random(f"{key}/{epoch}").shuffle(order)
             cached = ((size, epoch), order)
-            self._epoch_order = cached
+            self._epoch_order[key] = cached
         return cached[1][offset]
 
     def _count(self, split: SplitName, start: int, n: int) -> int:
@@ -89,18 +124,44 @@ class PromptCursor:
             )
         return min(n, size - start)
 
-    async def take(self, n: int, split: SplitName, start: int | None = None) -> Draw:
-        """Up to `n` prompts of `split` from `start` (default: where the split is); advances the cursor.
+    def check_level(self, split: SplitName, level: str) -> None:
+        """A level named in a draw must be one of the env's, and the split must be train."""
+        if not self.levels:
+            raise InvalidArgument(
+                f"environment {self.env.name!r} declares no levels; got level {quoted(level)}"
+            )
+        if level not in self.levels:
+            raise InvalidArgument(
+                f"unknown level {quoted(level)}; environment {self.env.name!r} has {list(self.levels)}"
+            )
+        if split != "train":
+            raise InvalidArgument(
+                f"a level names a train stream; got level {quoted(level)} with split {split!r}"
+            )
+
+    async def take(
+        self, n: int, split: SplitName, start: int | None = None, level: str | None = None
+    ) -> Draw:
+        """Up to `n` prompts of `split` (or of `level`'s own train stream) from `start` (default: where
+        it is); advances that cursor.
 
         Train always serves `n`; eval serves min(n, size - start). Reading runs off the event loop
         (a thread for `prompt_at`; an overridden `sample` is awaited and must not block).
         """
-        first = self._positions[split] if start is None else start
+        if level is not None:
+            self.check_level(split, level)
+        positions = self._level_positions if level is not None else self._positions
+        key = level if level is not None else split
+        first = positions.get(key, 0) if start is None else start  # type: ignore[call-overload]
         if not 0 <= first <= MAX_POSITION - n:
             raise InvalidArgument(f"start must be in [0, {MAX_POSITION - n}] for n={n}, got {first}")
         count = self._count(split, first, n)
-        self._positions[split] = first + count
-        if has_own_sample(self.env):
+        positions[key] = first + count  # type: ignore[index]
+        if level is not None:
+            prompts = await asyncio.to_thread(self._read_level, level, first, count)
+        elif split == "train" and self.levels:
+            prompts = await asyncio.to_thread(self._read_interleaved, first, count)
+        elif has_own_sample(self.env):
             prompts = await self.env.sample(count, split, first)
             if len(prompts) != count:
                 raise FailedPrecondition(
@@ -113,3 +174,16 @@ class PromptCursor:
     def _read(self, split: SplitName, start: int, count: int) -> list[PromptItem]:
         size = self.env.split_size(split)
         return [self.env.prompt_at(split, self.index_at(split, start + i, size)) for i in range(count)]
+
+    def _level_item(self, level: str, position: int) -> PromptItem:
+        item = self.env.level_prompt_at(
+            level, self.level_index_at(level, position, self.env.level_size(level))
+        )
+        return replace(item, metadata={**item.metadata, "level": level})
+
+    def _read_level(self, level: str, start: int, count: int) -> list[PromptItem]:
+        return [self._level_item(level, start + i) for i in range(count)]
+
+    def _read_interleaved(self, start: int, count: int) -> list[PromptItem]:
+        k = len(self.levels)
+        return [self._level_item(self.levels[p % k], p // k) for p in range(start, start + count)]

@@ -24,7 +24,7 @@ from services.common.logging import get_logger
 from services.env.base import GroupResult, Message, PromptItem, Reply, Score, SplitName, failure
 from services.env.chat import apply_format
 from services.env.config import EnvSettings
-from services.env.cursor import Draw, PromptCursor
+from services.env.cursor import Draw, PromptCursor, interleaved
 from services.env.episodes import tools_json
 from services.env.evaluation import eval_metrics
 from services.env.loader import EnvLoadError, LoadedEnv, load_recipe
@@ -133,6 +133,7 @@ class EnvHost:
             "respond_timeout_seconds": env.respond_timeout,
             "episode_timeout_seconds": env.episode_timeout,
             "max_episode_tokens": env.max_episode_tokens,
+            "levels": list(hosted.cursor.levels),
         }
 
     @property
@@ -160,9 +161,16 @@ class EnvHost:
         """Each split's cursor (GetEnvironmentState); `sample(start=...)` restores one."""
         return self._ready().cursor.positions()
 
+    def level_positions(self) -> dict[str, int]:
+        """Each level stream's cursor (levels drawn from by name so far)."""
+        return self._ready().cursor.level_positions()
+
     # ------------------------------------------------------------------ prompts
-    async def sample(self, n: int, split: SplitName, start: int | None = None) -> Draw:
-        """Prompts of `split` (in the configured prompt format) from `start`, default the split's cursor.
+    async def sample(
+        self, n: int, split: SplitName, start: int | None = None, level: str | None = None
+    ) -> Draw:
+        """Prompts of `split` (or of `level`'s own train stream; cursor.py) in the configured prompt
+        format, from `start`, default the split's (level's) cursor.
 
         Train serves `n` prompts, cycling epochs of finite data; eval serves each remaining prompt once
         (min(n, eval size - start)) and never wraps around.
@@ -170,7 +178,7 @@ class EnvHost:
         hosted = self._ready()
         if not 1 <= n <= self.settings.max_prompts_per_call:
             raise InvalidArgument(f"n must be in [1, {self.settings.max_prompts_per_call}], got {n}")
-        draw = await hosted.cursor.take(n, split, start)
+        draw = await hosted.cursor.take(n, split, start, level)
         if len(draw.prompts) < n:
             log.warning(
                 "more eval prompts asked for than the eval split holds; each is served once",
@@ -179,12 +187,17 @@ class EnvHost:
                 start=draw.start,
                 eval_size=hosted.loaded.env.split_size(split),
             )
-        finite = hosted.loaded.env.split_size(split) > 0
+        env, levels = hosted.loaded.env, hosted.cursor.levels
+        finite = env.split_size(split) > 0
         served = []
         for offset, item in enumerate(draw.prompts):
             item = apply_format(item, self.settings.prompt_format)
+            position = draw.start + offset
+            if levels and split == "train":  # the train-split position: unique over all the levels
+                finite = env.level_size(item.metadata["level"]) > 0
+                position = position if level is None else interleaved(levels, level, position)
             if split == "train" and finite:  # finite data repeats across epochs: keep ids unique per run
-                item = replace(item, id=f"{item.id}@{draw.start + offset}")
+                item = replace(item, id=f"{item.id}@{position}")
             served.append(item)
         self.counters[f"prompts_sampled.{split}"] += len(served)
         return replace(draw, prompts=served)

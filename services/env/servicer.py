@@ -171,6 +171,7 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServiceServicer):
             respond_timeout_seconds=d["respond_timeout_seconds"],
             episode_timeout_seconds=d["episode_timeout_seconds"],
             max_episode_tokens=d["max_episode_tokens"],
+            levels=d["levels"],
         )
         if math.isfinite(low):
             response.reward_min = low
@@ -182,7 +183,8 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServiceServicer):
         if request.split not in _SPLITS:
             raise InvalidArgument(f"unknown split {request.split}")
         start = request.start if request.HasField("start") else None
-        draw = await self.host.sample(request.n, _SPLITS[request.split], start)
+        level = request.level if request.HasField("level") else None
+        draw = await self.host.sample(request.n, _SPLITS[request.split], start, level)
         env_name, tools = self.host.name, self.host.tools_json
         return env_pb2.SamplePromptsResponse(
             prompts=[prompt_to_proto(item, env_name, tools) for item in draw.prompts],
@@ -224,5 +226,6 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServiceServicer):
         response = env_pb2.GetEnvironmentStateResponse(
             train_position=positions["train"], eval_position=positions["eval"]
         )
+        response.level_positions.update(self.host.level_positions())
         response.metrics.update(self.host.metrics())
         return response

@@ -161,6 +161,12 @@ class DemoSettings(BaseSettings):
         description="Seed of the run: the env's prompt stream (and its held-out split), the learner and "
         "the rollout engines; unset = each service's default (0).",
     )
+    curriculum: bool = Field(
+        default=False,
+        description="Draw train prompts from the env's difficulty levels by their recent success rate "
+        "(e.g. --env-arg levels=1,2,3,4 for arithmetic); the band and window are the scheduler's "
+        "curriculum options (GRPO_SCHEDULER__CURRICULUM__BAND_LOW, ...; docs/configuration.md).",
+    )
     eval_every: int = Field(default=100, ge=0, description="Evaluate every N steps (and at step 0); 0 = off.")
     eval_prompts: int = Field(default=200, ge=1, description="Held-out prompts per evaluation.")
     eval_samples: int = Field(
@@ -272,6 +278,7 @@ def run_config(cfg: DemoSettings, model: str, creds: RunCredentials | None = Non
             "eval_temperature": cfg.eval_temperature or cfg.temperature,
             "run_dir": str(run_dir),
             "trace": cfg.trace,
+            "curriculum": {"enabled": cfg.curriculum, "seed": cfg.seed or 0},
             # bf16 logprobs of the learner (autocast) and the rollout (bf16 weights) differ by far more
             # than fp32's 1e-3: the probe's figure is still logged, but only fp32 fails the run on it
             "alignment_action": "fail" if cfg.dtype == "float32" else "warn",

@@ -56,6 +56,35 @@ class RecoverySettings(BaseModel):
     )
 
 
+class CurriculumSettings(BaseModel):
+    """The curriculum (pipeline/curriculum.py): draw train prompts from the env's difficulty levels
+    whose recent success rate lies in a band."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        default=False,
+        description="Draw each prompt's level by its recent success rate (the env must declare levels); "
+        "off = the env's train stream, which interleaves its levels round-robin (uniform).",
+    )
+    band_low: float = Field(
+        default=0.2, ge=0, le=1, description="Lowest success rate of a level to draw from."
+    )
+    band_high: float = Field(
+        default=0.8, ge=0, le=1, description="Highest success rate of a level to draw from."
+    )
+    window: int = Field(
+        default=8, ge=1, description="Recent scored groups per level its success rate is taken over."
+    )
+    seed: int = Field(default=0, description="Seed of the level draws (the run's seed).")
+
+    @model_validator(mode="after")
+    def _band(self) -> CurriculumSettings:
+        if self.band_low > self.band_high:
+            raise ValueError(f"band_low ({self.band_low}) must not exceed band_high ({self.band_high})")
+        return self
+
+
 class SchedulerSettings(ServiceSettings):
     """The orchestrator: pumps prompts to rollouts, scores, batches, trains and syncs weights."""
 
@@ -177,4 +206,9 @@ class SchedulerSettings(ServiceSettings):
     )
     recovery: RecoverySettings = Field(
         default_factory=RecoverySettings, description="Ledger writes and peer restarts."
+    )
+    curriculum: CurriculumSettings = Field(
+        default_factory=CurriculumSettings,
+        description="Draw train prompts from the env's difficulty levels by their recent success rate "
+        "(pipeline/curriculum.py); off by default.",
     )

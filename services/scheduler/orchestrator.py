@@ -42,6 +42,7 @@ from services.scheduler.peers.patience import patiently
 from services.scheduler.peers.rollouts import RolloutPool
 from services.scheduler.pipeline.alignment import Alignment, AlignmentProbe
 from services.scheduler.pipeline.batches import BatchAssembler, PlannedBatch
+from services.scheduler.pipeline.curriculum import LevelStats
 from services.scheduler.pipeline.episodes import EpisodeRunner
 from services.scheduler.pipeline.evaluation import Evaluator
 from services.scheduler.pipeline.groups import GroupPipeline
@@ -152,6 +153,9 @@ class Orchestrator:
             if info.max_turns > 1:
                 log.info("multi-turn environment", env=info.name, max_turns=info.max_turns)
                 self.alignment.multi_turn = True
+            self._levels(info.levels, info.success_threshold, snapshot)
+        elif self.settings.curriculum.enabled:
+            raise ValueError("curriculum.enabled needs the env service (source = env) and its levels")
         discarded = 0
         if not snapshot.empty and learner_ahead(snapshot, state):
             self.lineage.check(snapshot, state)  # another run's ledger: refused before anything goes back
@@ -189,6 +193,21 @@ class Orchestrator:
             logprob_abs_diff_max=diff.sampled, logprob_abs_diff_max_env=diff.env,
         )  # fmt: skip
         return resumed
+
+    def _levels(self, levels: tuple[str, ...], threshold: float, snapshot: Snapshot) -> None:
+        """Track an env's difficulty levels (and with the curriculum on, draw by them), the success
+        rates rebuilt from the ledger and each level's stream continued after its last position."""
+        curriculum = self.settings.curriculum
+        if not levels:
+            if curriculum.enabled:
+                raise ValueError("curriculum.enabled needs an environment that declares difficulty levels")
+            return
+        self.groups.levels = stats = LevelStats(levels, curriculum, threshold)
+        if curriculum.enabled:  # positions are taken per level (the audit checks each level's stream)
+            self.store.set_meta(level_count=len(levels))
+        stats.rebuild(snapshot.level_outcomes)
+        self.groups.resume_levels(g.position for g in snapshot.groups)
+        log.info("difficulty levels", levels=list(levels), curriculum=curriculum.enabled, rates=stats.rates())
 
     async def _go_back(self, snapshot: Snapshot, state: LearnerInfo) -> LearnerInfo:
         """The learner trained steps the ledger lost (a power loss): it goes back to a checkpoint the
@@ -372,6 +391,7 @@ class Orchestrator:
             queue_capacity=self.intake.capacity,
             group_size=self.settings.group_size,
             groups_per_batch=self.settings.groups_per_batch,
+            level_success=self.groups.levels.rates() if self.groups.levels is not None else {},
             uptime_seconds=time.monotonic() - self._born,
             **self.report.status_fields(),
         )

@@ -69,6 +69,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             queue_capacity=s.queue_capacity,
             group_size=s.group_size,
             groups_per_batch=s.groups_per_batch,
+            level_success=s.level_success,
         )
 
     async def SubmitGroups(self, request, context: grpc.aio.ServicerContext):

@@ -31,7 +31,7 @@ class DescribeEnvironmentRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeEnvironmentResponse(_message.Message):
-    __slots__ = ("name", "description", "options_json", "train_size", "eval_size", "failure_policy", "failure_reward", "score_timeout_seconds", "reward_min", "reward_max", "success_threshold", "max_turns", "tools_json", "respond_timeout_seconds", "episode_timeout_seconds", "max_episode_tokens")
+    __slots__ = ("name", "description", "options_json", "train_size", "eval_size", "failure_policy", "failure_reward", "score_timeout_seconds", "reward_min", "reward_max", "success_threshold", "max_turns", "tools_json", "respond_timeout_seconds", "episode_timeout_seconds", "max_episode_tokens", "levels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class DescribeEnvironmentResponse(_message.Message):
     RESPOND_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPISODE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_EPISODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEVELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     options_json: str
@@ -64,17 +65,20 @@ class DescribeEnvironmentResponse(_message.Message):
     respond_timeout_seconds: float
     episode_timeout_seconds: float
     max_episode_tokens: int
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., options_json: _Optional[str] = ..., train_size: _Optional[int] = ..., eval_size: _Optional[int] = ..., failure_policy: _Optional[_Union[FailurePolicy, str]] = ..., failure_reward: _Optional[float] = ..., score_timeout_seconds: _Optional[float] = ..., reward_min: _Optional[float] = ..., reward_max: _Optional[float] = ..., success_threshold: _Optional[float] = ..., max_turns: _Optional[int] = ..., tools_json: _Optional[str] = ..., respond_timeout_seconds: _Optional[float] = ..., episode_timeout_seconds: _Optional[float] = ..., max_episode_tokens: _Optional[int] = ...) -> None: ...
+    levels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., options_json: _Optional[str] = ..., train_size: _Optional[int] = ..., eval_size: _Optional[int] = ..., failure_policy: _Optional[_Union[FailurePolicy, str]] = ..., failure_reward: _Optional[float] = ..., score_timeout_seconds: _Optional[float] = ..., reward_min: _Optional[float] = ..., reward_max: _Optional[float] = ..., success_threshold: _Optional[float] = ..., max_turns: _Optional[int] = ..., tools_json: _Optional[str] = ..., respond_timeout_seconds: _Optional[float] = ..., episode_timeout_seconds: _Optional[float] = ..., max_episode_tokens: _Optional[int] = ..., levels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SamplePromptsRequest(_message.Message):
-    __slots__ = ("n", "split", "start")
+    __slots__ = ("n", "split", "start", "level")
     N_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
     n: int
     split: Split
     start: int
-    def __init__(self, n: _Optional[int] = ..., split: _Optional[_Union[Split, str]] = ..., start: _Optional[int] = ...) -> None: ...
+    level: str
+    def __init__(self, n: _Optional[int] = ..., split: _Optional[_Union[Split, str]] = ..., start: _Optional[int] = ..., level: _Optional[str] = ...) -> None: ...
 
 class SamplePromptsResponse(_message.Message):
     __slots__ = ("prompts", "next_position")
@@ -176,7 +180,7 @@ class GetEnvironmentStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetEnvironmentStateResponse(_message.Message):
-    __slots__ = ("metrics", "train_position", "eval_position")
+    __slots__ = ("metrics", "train_position", "eval_position", "level_positions")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -184,10 +188,19 @@ class GetEnvironmentStateResponse(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class LevelPositionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     METRICS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_POSITION_FIELD_NUMBER: _ClassVar[int]
     EVAL_POSITION_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     metrics: _containers.ScalarMap[str, float]
     train_position: int
     eval_position: int
-    def __init__(self, metrics: _Optional[_Mapping[str, float]] = ..., train_position: _Optional[int] = ..., eval_position: _Optional[int] = ...) -> None: ...
+    level_positions: _containers.ScalarMap[str, int]
+    def __init__(self, metrics: _Optional[_Mapping[str, float]] = ..., train_position: _Optional[int] = ..., eval_position: _Optional[int] = ..., level_positions: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from grpo.common.v1 import types_pb2 as grpo_dot_common_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!grpo/scheduler/v1/scheduler.proto\x12\x11grpo.scheduler.v1\x1a\x1agrpo/common/v1/types.proto\"U\n\x15RegisterWorkerRequest\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.grpo.scheduler.v1.WorkerKind\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"+\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\"R\n\x13SubmitGroupsRequest\x12+\n\x06groups\x18\x01 \x03(\x0b\x32\x1b.grpo.common.v1.ScoredGroup\x12\x0e\n\x06source\x18\x02 \x01(\t\"\xa4\x01\n\x14SubmitGroupsResponse\x12\x31\n\x08verdicts\x18\x01 \x03(\x0e\x32\x1f.grpo.scheduler.v1.GroupVerdict\x12\x0f\n\x07reasons\x18\x02 \x03(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x17\n\x0flearner_version\x18\x04 \x01(\x03\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\r\"\x12\n\x10GetStatusRequest\"\x85\x01\n\x0bRolloutLoad\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x15\n\rmax_in_flight\x18\x05 \x01(\r\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\"\x9f\x06\n\x11GetStatusResponse\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12P\n\x0fgroups_by_state\x18\x04 \x03(\x0b\x32\x37.grpo.scheduler.v1.GetStatusResponse.GroupsByStateEntry\x12K\n\x0cqueue_depths\x18\x05 \x03(\x0b\x32\x35.grpo.scheduler.v1.GetStatusResponse.QueueDepthsEntry\x12\x30\n\x08rollouts\x18\x06 \x03(\x0b\x32\x1e.grpo.scheduler.v1.RolloutLoad\x12\x16\n\x0estaleness_mean\x18\x07 \x01(\x01\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x11\n\tmax_steps\x18\t \x01(\x03\x12!\n\x14logprob_abs_diff_max\x18\n \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x13\n\x0breward_mean\x18\x0c \x01(\x01\x12\x0c\n\x04loss\x18\r \x01(\x01\x12\x18\n\x10steps_per_second\x18\x0e \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0f \x01(\x01\x12\x30\n\tlast_sync\x18\x10 \x01(\x0b\x32\x1d.grpo.scheduler.v1.SyncPhases\x12\x18\n\x10weight_transport\x18\x11 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x12 \x01(\x01\x12\x0e\n\x06source\x18\x13 \x01(\t\x12\x16\n\x0equeue_capacity\x18\x14 \x01(\r\x12\x12\n\ngroup_size\x18\x15 \x01(\r\x12\x18\n\x10groups_per_batch\x18\x16 \x01(\r\x1a\x34\n\x12GroupsByStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10QueueDepthsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\x17\n\x15_logprob_abs_diff_max\"W\n\nSyncPhases\x12\x12\n\nprepare_ms\x18\x01 \x01(\x01\x12\x10\n\x08stage_ms\x18\x02 \x01(\x01\x12\x11\n\tcommit_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\x0e\n\x0cPauseRequest\"\x1f\n\rPauseResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\"\x0f\n\rResumeRequest\" \n\x0eResumeResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08*x\n\nWorkerKind\x12\x1b\n\x17WORKER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_KIND_ROLLOUT\x10\x01\x12\x17\n\x13WORKER_KIND_LEARNER\x10\x02\x12\x1b\n\x17WORKER_KIND_ENVIRONMENT\x10\x03*\x7f\n\x0cGroupVerdict\x12\x1d\n\x19GROUP_VERDICT_UNSPECIFIED\x10\x00\x12\x1a\n\x16GROUP_VERDICT_ACCEPTED\x10\x01\x12\x1b\n\x17GROUP_VERDICT_DUPLICATE\x10\x02\x12\x17\n\x13GROUP_VERDICT_STALE\x10\x03\x32\xcd\x03\n\x10SchedulerService\x12\x65\n\x0eRegisterWorker\x12(.grpo.scheduler.v1.RegisterWorkerRequest\x1a).grpo.scheduler.v1.RegisterWorkerResponse\x12V\n\tGetStatus\x12#.grpo.scheduler.v1.GetStatusRequest\x1a$.grpo.scheduler.v1.GetStatusResponse\x12J\n\x05Pause\x12\x1f.grpo.scheduler.v1.PauseRequest\x1a .grpo.scheduler.v1.PauseResponse\x12M\n\x06Resume\x12 .grpo.scheduler.v1.ResumeRequest\x1a!.grpo.scheduler.v1.ResumeResponse\x12_\n\x0cSubmitGroups\x12&.grpo.scheduler.v1.SubmitGroupsRequest\x1a\'.grpo.scheduler.v1.SubmitGroupsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!grpo/scheduler/v1/scheduler.proto\x12\x11grpo.scheduler.v1\x1a\x1agrpo/common/v1/types.proto\"U\n\x15RegisterWorkerRequest\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.grpo.scheduler.v1.WorkerKind\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"+\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\"R\n\x13SubmitGroupsRequest\x12+\n\x06groups\x18\x01 \x03(\x0b\x32\x1b.grpo.common.v1.ScoredGroup\x12\x0e\n\x06source\x18\x02 \x01(\t\"\xa4\x01\n\x14SubmitGroupsResponse\x12\x31\n\x08verdicts\x18\x01 \x03(\x0e\x32\x1f.grpo.scheduler.v1.GroupVerdict\x12\x0f\n\x07reasons\x18\x02 \x03(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x17\n\x0flearner_version\x18\x04 \x01(\x03\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\r\"\x12\n\x10GetStatusRequest\"\x85\x01\n\x0bRolloutLoad\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x15\n\rmax_in_flight\x18\x05 \x01(\r\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\"\xa3\x07\n\x11GetStatusResponse\x12\x17\n\x0flearner_version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12P\n\x0fgroups_by_state\x18\x04 \x03(\x0b\x32\x37.grpo.scheduler.v1.GetStatusResponse.GroupsByStateEntry\x12K\n\x0cqueue_depths\x18\x05 \x03(\x0b\x32\x35.grpo.scheduler.v1.GetStatusResponse.QueueDepthsEntry\x12\x30\n\x08rollouts\x18\x06 \x03(\x0b\x32\x1e.grpo.scheduler.v1.RolloutLoad\x12\x16\n\x0estaleness_mean\x18\x07 \x01(\x01\x12\x10\n\x08\x66inished\x18\x08 \x01(\x08\x12\x11\n\tmax_steps\x18\t \x01(\x03\x12!\n\x14logprob_abs_diff_max\x18\n \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x13\n\x0breward_mean\x18\x0c \x01(\x01\x12\x0c\n\x04loss\x18\r \x01(\x01\x12\x18\n\x10steps_per_second\x18\x0e \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0f \x01(\x01\x12\x30\n\tlast_sync\x18\x10 \x01(\x0b\x32\x1d.grpo.scheduler.v1.SyncPhases\x12\x18\n\x10weight_transport\x18\x11 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x12 \x01(\x01\x12\x0e\n\x06source\x18\x13 \x01(\t\x12\x16\n\x0equeue_capacity\x18\x14 \x01(\r\x12\x12\n\ngroup_size\x18\x15 \x01(\r\x12\x18\n\x10groups_per_batch\x18\x16 \x01(\r\x12M\n\rlevel_success\x18\x17 \x03(\x0b\x32\x36.grpo.scheduler.v1.GetStatusResponse.LevelSuccessEntry\x1a\x34\n\x12GroupsByStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10QueueDepthsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11LevelSuccessEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x17\n\x15_logprob_abs_diff_max\"W\n\nSyncPhases\x12\x12\n\nprepare_ms\x18\x01 \x01(\x01\x12\x10\n\x08stage_ms\x18\x02 \x01(\x01\x12\x11\n\tcommit_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\x0e\n\x0cPauseRequest\"\x1f\n\rPauseResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\"\x0f\n\rResumeRequest\" \n\x0eResumeResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08*x\n\nWorkerKind\x12\x1b\n\x17WORKER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_KIND_ROLLOUT\x10\x01\x12\x17\n\x13WORKER_KIND_LEARNER\x10\x02\x12\x1b\n\x17WORKER_KIND_ENVIRONMENT\x10\x03*\x7f\n\x0cGroupVerdict\x12\x1d\n\x19GROUP_VERDICT_UNSPECIFIED\x10\x00\x12\x1a\n\x16GROUP_VERDICT_ACCEPTED\x10\x01\x12\x1b\n\x17GROUP_VERDICT_DUPLICATE\x10\x02\x12\x17\n\x13GROUP_VERDICT_STALE\x10\x03\x32\xcd\x03\n\x10SchedulerService\x12\x65\n\x0eRegisterWorker\x12(.grpo.scheduler.v1.RegisterWorkerRequest\x1a).grpo.scheduler.v1.RegisterWorkerResponse\x12V\n\tGetStatus\x12#.grpo.scheduler.v1.GetStatusRequest\x1a$.grpo.scheduler.v1.GetStatusResponse\x12J\n\x05Pause\x12\x1f.grpo.scheduler.v1.PauseRequest\x1a .grpo.scheduler.v1.PauseResponse\x12M\n\x06Resume\x12 .grpo.scheduler.v1.ResumeRequest\x1a!.grpo.scheduler.v1.ResumeResponse\x12_\n\x0cSubmitGroups\x12&.grpo.scheduler.v1.SubmitGroupsRequest\x1a\'.grpo.scheduler.v1.SubmitGroupsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSRESPONSE_GROUPSBYSTATEENTRY']._serialized_options = b'8\001'
   _globals['_GETSTATUSRESPONSE_QUEUEDEPTHSENTRY']._loaded_options = None
   _globals['_GETSTATUSRESPONSE_QUEUEDEPTHSENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERKIND']._serialized_start=1614
-  _globals['_WORKERKIND']._serialized_end=1734
-  _globals['_GROUPVERDICT']._serialized_start=1736
-  _globals['_GROUPVERDICT']._serialized_end=1863
+  _globals['_GETSTATUSRESPONSE_LEVELSUCCESSENTRY']._loaded_options = None
+  _globals['_GETSTATUSRESPONSE_LEVELSUCCESSENTRY']._serialized_options = b'8\001'
+  _globals['_WORKERKIND']._serialized_start=1746
+  _globals['_WORKERKIND']._serialized_end=1866
+  _globals['_GROUPVERDICT']._serialized_start=1868
+  _globals['_GROUPVERDICT']._serialized_end=1995
   _globals['_REGISTERWORKERREQUEST']._serialized_start=84
   _globals['_REGISTERWORKERREQUEST']._serialized_end=169
   _globals['_REGISTERWORKERRESPONSE']._serialized_start=171
@@ -53,21 +55,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTLOAD']._serialized_start=488
   _globals['_ROLLOUTLOAD']._serialized_end=621
   _globals['_GETSTATUSRESPONSE']._serialized_start=624
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1423
-  _globals['_GETSTATUSRESPONSE_GROUPSBYSTATEENTRY']._serialized_start=1294
-  _globals['_GETSTATUSRESPONSE_GROUPSBYSTATEENTRY']._serialized_end=1346
-  _globals['_GETSTATUSRESPONSE_QUEUEDEPTHSENTRY']._serialized_start=1348
-  _globals['_GETSTATUSRESPONSE_QUEUEDEPTHSENTRY']._serialized_end=1398
-  _globals['_SYNCPHASES']._serialized_start=1425
-  _globals['_SYNCPHASES']._serialized_end=1512
-  _globals['_PAUSEREQUEST']._serialized_start=1514
-  _globals['_PAUSEREQUEST']._serialized_end=1528
-  _globals['_PAUSERESPONSE']._serialized_start=1530
-  _globals['_PAUSERESPONSE']._serialized_end=1561
-  _globals['_RESUMEREQUEST']._serialized_start=1563
-  _globals['_RESUMEREQUEST']._serialized_end=1578
-  _globals['_RESUMERESPONSE']._serialized_start=1580
-  _globals['_RESUMERESPONSE']._serialized_end=1612
-  _globals['_SCHEDULERSERVICE']._serialized_start=1866
-  _globals['_SCHEDULERSERVICE']._serialized_end=2327
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1555
+  _globals['_GETSTATUSRESPONSE_GROUPSBYSTATEENTRY']._serialized_start=1373
+  _globals['_GETSTATUSRESPONSE_GROUPSBYSTATEENTRY']._serialized_end=1425
+  _globals['_GETSTATUSRESPONSE_QUEUEDEPTHSENTRY']._serialized_start=1427
+  _globals['_GETSTATUSRESPONSE_QUEUEDEPTHSENTRY']._serialized_end=1477
+  _globals['_GETSTATUSRESPONSE_LEVELSUCCESSENTRY']._serialized_start=1479
+  _globals['_GETSTATUSRESPONSE_LEVELSUCCESSENTRY']._serialized_end=1530
+  _globals['_SYNCPHASES']._serialized_start=1557
+  _globals['_SYNCPHASES']._serialized_end=1644
+  _globals['_PAUSEREQUEST']._serialized_start=1646
+  _globals['_PAUSEREQUEST']._serialized_end=1660
+  _globals['_PAUSERESPONSE']._serialized_start=1662
+  _globals['_PAUSERESPONSE']._serialized_end=1693
+  _globals['_RESUMEREQUEST']._serialized_start=1695
+  _globals['_RESUMEREQUEST']._serialized_end=1710
+  _globals['_RESUMERESPONSE']._serialized_start=1712
+  _globals['_RESUMERESPONSE']._serialized_end=1744
+  _globals['_SCHEDULERSERVICE']._serialized_start=1998
+  _globals['_SCHEDULERSERVICE']._serialized_end=2459
 # @@protoc_insertion_point(module_scope)

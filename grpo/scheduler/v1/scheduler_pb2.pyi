@@ -89,7 +89,7 @@ class RolloutLoad(_message.Message):
     def __init__(self, rollout_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("learner_version", "step", "paused", "groups_by_state", "queue_depths", "rollouts", "staleness_mean", "finished", "max_steps", "logprob_abs_diff_max", "error", "reward_mean", "loss", "steps_per_second", "tokens_per_second", "last_sync", "weight_transport", "uptime_seconds", "source", "queue_capacity", "group_size", "groups_per_batch")
+    __slots__ = ("learner_version", "step", "paused", "groups_by_state", "queue_depths", "rollouts", "staleness_mean", "finished", "max_steps", "logprob_abs_diff_max", "error", "reward_mean", "loss", "steps_per_second", "tokens_per_second", "last_sync", "weight_transport", "uptime_seconds", "source", "queue_capacity", "group_size", "groups_per_batch", "level_success")
     class GroupsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,13 @@ class GetStatusResponse(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LevelSuccessEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +133,7 @@ class GetStatusResponse(_message.Message):
     QUEUE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_SUCCESS_FIELD_NUMBER: _ClassVar[int]
     learner_version: int
     step: int
     paused: bool
@@ -148,7 +156,8 @@ class GetStatusResponse(_message.Message):
     queue_capacity: int
     group_size: int
     groups_per_batch: int
-    def __init__(self, learner_version: _Optional[int] = ..., step: _Optional[int] = ..., paused: _Optional[bool] = ..., groups_by_state: _Optional[_Mapping[str, int]] = ..., queue_depths: _Optional[_Mapping[str, int]] = ..., rollouts: _Optional[_Iterable[_Union[RolloutLoad, _Mapping]]] = ..., staleness_mean: _Optional[float] = ..., finished: _Optional[bool] = ..., max_steps: _Optional[int] = ..., logprob_abs_diff_max: _Optional[float] = ..., error: _Optional[str] = ..., reward_mean: _Optional[float] = ..., loss: _Optional[float] = ..., steps_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., last_sync: _Optional[_Union[SyncPhases, _Mapping]] = ..., weight_transport: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., source: _Optional[str] = ..., queue_capacity: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_batch: _Optional[int] = ...) -> None: ...
+    level_success: _containers.ScalarMap[str, float]
+    def __init__(self, learner_version: _Optional[int] = ..., step: _Optional[int] = ..., paused: _Optional[bool] = ..., groups_by_state: _Optional[_Mapping[str, int]] = ..., queue_depths: _Optional[_Mapping[str, int]] = ..., rollouts: _Optional[_Iterable[_Union[RolloutLoad, _Mapping]]] = ..., staleness_mean: _Optional[float] = ..., finished: _Optional[bool] = ..., max_steps: _Optional[int] = ..., logprob_abs_diff_max: _Optional[float] = ..., error: _Optional[str] = ..., reward_mean: _Optional[float] = ..., loss: _Optional[float] = ..., steps_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., last_sync: _Optional[_Union[SyncPhases, _Mapping]] = ..., weight_transport: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., source: _Optional[str] = ..., queue_capacity: _Optional[int] = ..., group_size: _Optional[int] = ..., groups_per_batch: _Optional[int] = ..., level_success: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SyncPhases(_message.Message):
     __slots__ = ("prepare_ms", "stage_ms", "commit_ms", "total_ms")

@@ -6,6 +6,11 @@ with no spaces followed by "=" (e.g. "37+45="), the expected completion is the e
 (`^-?\\d+`) of the completion and gives 1.0 on an exact match, else 0.0 — or, with
 `partial_credit`, the fraction of right-aligned characters (sign included) that match.
 
+Difficulty levels (`levels="1,2,3,4"`, or `"1-4"`): digit counts, each level a train stream of problems whose
+operands have at most that many digits (level "3" = `digits=3`), for a curriculum; the eval split
+stays the `digits` option (`digits=4, levels=1,2,3,4`: held out on the hardest level). Empty (the
+default) = no levels.
+
 `make_problem` and `score_answer` are pure functions so the tiny-model builder and the tests can use
 them without the service.
 """
@@ -38,11 +43,21 @@ class ArithmeticOptions(BaseModel):
     )
     seed: int = Field(default=0, description="Seed of the train stream (the eval split uses a derived seed).")
     eval_size: int = Field(default=200, ge=0, description="Number of held-out eval problems.")
+    levels: str = Field(
+        default="",
+        description="Difficulty levels of the train split, as digit counts: '1,2,3,4' or '1-4'; "
+        "each level draws operands of at most that many digits. Empty = no levels (train at `digits`).",
+    )
 
     @field_validator("operators")
     @classmethod
     def _check_operators(cls, value: str) -> str:
         return check_operators(value)
+
+    @field_validator("levels")
+    @classmethod
+    def _check_levels(cls, value: str) -> str:
+        return ",".join(str(d) for d in level_digits(value))
 
 
 def check_operators(value: str) -> str:
@@ -53,6 +68,22 @@ def check_operators(value: str) -> str:
     if bad:
         raise ValueError(f"unsupported operator(s) {bad!r}; allowed: {_ALLOWED_OPERATORS!r}")
     return value
+
+
+def level_digits(value: str) -> list[int]:
+    """The digit counts of a `levels` option, in order: "1,2,3", or a range "1-4" (what a command line
+    that splits lists at commas can pass), or both ("1-3,5"); distinct, each in [1, 9]."""
+    digits: list[int] = []
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        low, dash, high = part.partition("-")
+        if not (low.strip().isdigit() and (not dash or high.strip().isdigit())):
+            raise ValueError(f"levels must be digit counts like '1,2,3,4' or '1-4', got {value!r}")
+        digits += range(int(low), int(high or low) + 1)
+    if not all(1 <= d <= 9 for d in digits) or len(set(digits)) != len(digits):
+        raise ValueError(f"levels must be distinct digit counts in [1, 9], got {value!r}")
+    return digits
 
 
 def evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
@@ -125,6 +156,14 @@ class ArithmeticEnv(Environment[ArithmeticOptions]):
     def prompt_at(self, split: SplitName, index: int) -> PromptItem:
         text, answer = problem_at(self.options, split, index)
         return PromptItem(id=f"arithmetic-{split}-{index}", text=text, reference_answer=answer)
+
+    def levels(self) -> list[str]:
+        return [str(d) for d in level_digits(self.options.levels)]
+
+    def level_prompt_at(self, level: str, index: int) -> PromptItem:
+        options = self.options.model_copy(update={"digits": int(level)})
+        text, answer = make_problem(_problem_rng(self.options.seed, f"train-d{level}", index), options)
+        return PromptItem(id=f"arithmetic-train-d{level}-{index}", text=text, reference_answer=answer)
 
     def score_one(self, prompt: PromptItem, completion: str) -> Score:
         reward, parsed = score_answer(completion, prompt.reference_answer, self.options.partial_credit)

@@ -7,7 +7,9 @@ Invariants, from the ledger alone (`store.py`), across any number of restarts:
    ledger's batch for that step, and it moved the weights to version step + 1;
 2. no group is in two batches, every batch has B groups, and a group is trained iff its batch was;
 3. every position of the env's train stream up to the last one taken has a group (nothing skipped)
-   and at most one trained group (no prompt trained twice);
+   and at most one trained group (no prompt trained twice). A run whose curriculum drew by level
+   (meta `level_count` = K, pipeline/curriculum.py) takes each level's positions, p % K, in order
+   but at its own pace: every position up to the last one taken *of its level* has a group;
 4. every trained group's staleness, the version its batch trained at minus the oldest version that
    produced one of its tokens, is within `max_staleness`, and no token is newer than that version.
 
@@ -107,7 +109,11 @@ def audit(snapshot: Snapshot) -> AuditReport:
     for record in snapshot.groups:
         by_position[record.position].append(record)
     last = max(by_position, default=-1)
-    skipped = [p for p in range(last + 1) if p not in by_position]
+    k = int(snapshot.meta.get("level_count", "1"))  # > 1: drawn by level (each level its residue)
+    top = dict.fromkeys(range(k), -1)
+    for position in by_position:
+        top[position % k] = max(top[position % k], position // k)
+    skipped = [p for p in range(last + 1) if p not in by_position and p // k <= top[p % k]]
     if skipped:
         bad(f"train positions never issued (skipped): {skipped[:10]}{' ...' if len(skipped) > 10 else ''}")
     for position, records in by_position.items():

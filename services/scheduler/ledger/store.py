@@ -15,6 +15,8 @@ audit reads (`audit.py`). Tables:
     learner_logprobs  group id → the step that trained it and the learner's logprob of each of its
                completions' tokens (a GroupLogprobs message; `token_scores.py` reads them)
     events     scheduler starts, learner restarts and rewinds, recoveries (JSON detail)
+    level_outcomes  an env with difficulty levels: each scored group's level and how many of its
+               completions were solved, in scoring order (the curriculum's rates are rebuilt from it)
 
 Writes never block the event loop: changes are queued in memory (a dict of changed records, a list
 of rows) and written in one transaction on the store's own thread, periodically and before every
@@ -68,6 +70,9 @@ CREATE TABLE IF NOT EXISTS trainings (
     at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, at REAL NOT NULL, detail TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS level_outcomes (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, group_id TEXT NOT NULL, level TEXT NOT NULL,
+    solved INTEGER NOT NULL, total INTEGER NOT NULL);
 """
     + token_scores.TABLE_SCHEMA
 )
@@ -101,6 +106,7 @@ class Snapshot:
     trainings: list[TrainingRow] = field(default_factory=list)
     scored_ids: set[str] = field(default_factory=set)
     events: list[tuple[str, float, dict[str, Any]]] = field(default_factory=list)
+    level_outcomes: list[tuple[str, int, int]] = field(default_factory=list)  # (level, solved, total)
 
     @property
     def empty(self) -> bool:
@@ -175,6 +181,13 @@ class LedgerStore:
 
     def scored(self, group: ScoredGroup) -> None:
         self._scored.append(group)
+
+    def level_outcome(self, group_id: str, level: str, solved: int, total: int) -> None:
+        """A scored group of a leveled env: `solved` of its `total` completions (pipeline/curriculum.py)."""
+        self._rows.append((
+            "INSERT INTO level_outcomes (group_id, level, solved, total) VALUES (?, ?, ?, ?)",
+            (group_id, level, solved, total),
+        ))  # fmt: skip
 
     def trained(self, step: int, batch_id: str, version_after: int, instance: str, generation: int) -> None:
         self._rows.append((
@@ -350,6 +363,10 @@ def read_snapshot(db: sqlite3.Connection) -> Snapshot:
     snapshot.scored_ids = {gid for (gid,) in db.execute("SELECT group_id FROM scored")}
     for kind, at, detail in db.execute("SELECT kind, at, detail FROM events ORDER BY id"):
         snapshot.events.append((kind, at, json.loads(detail)))
+    if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'level_outcomes'").fetchone():  # older ledgers
+        snapshot.level_outcomes = list(
+            db.execute("SELECT level, solved, total FROM level_outcomes ORDER BY id")
+        )
     return snapshot
 
 

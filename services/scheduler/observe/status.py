@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -41,3 +41,4 @@ class SchedulerStatus:
     queue_capacity: int = 0
     group_size: int = 0
     groups_per_batch: int = 0
+    level_success: dict[str, float] = field(default_factory=dict)  # an env's levels: recent success rates

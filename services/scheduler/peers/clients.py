@@ -48,6 +48,8 @@ class EnvInfo:
     respond_timeout: float = 30.0  # the env's own deadline of one Respond (tools included)
     episode_timeout: float = 0.0  # wall-clock limit of an episode (0 = none)
     max_episode_tokens: int = 0  # token budget of an episode after its prompt (0 = none)
+    levels: tuple[str, ...] = ()  # difficulty levels of the train split, easiest first (none: ())
+    success_threshold: float = 1.0  # a completion with reward >= this counts as solved
 
 
 @dataclass(frozen=True)
@@ -146,8 +148,11 @@ class RolloutInfo:
 class EnvClient(Protocol):
     async def describe(self) -> EnvInfo: ...
 
-    async def sample(self, n: int, split: Split, start: int | None = None) -> list[types_pb2.Prompt]:
-        """`n` prompts (fewer from a finite eval split: never repeated); `start` positions the cursor."""
+    async def sample(
+        self, n: int, split: Split, start: int | None = None, level: str | None = None
+    ) -> list[types_pb2.Prompt]:
+        """`n` prompts (fewer from a finite eval split: never repeated); `start` positions the cursor;
+        `level`: from that level's own train stream (`start` is then a position in it)."""
 
     async def respond(
         self, prompt: types_pb2.Prompt, transcripts: Sequence[types_pb2.Transcript]

@@ -89,10 +89,14 @@ class GrpcEnvClient(_PeerClient[env_pb2_grpc.EnvironmentServiceStub]):
             d.respond_timeout_seconds or 30.0,
             d.episode_timeout_seconds,
             d.max_episode_tokens,
+            tuple(d.levels),
+            d.success_threshold,
         )
 
-    async def sample(self, n: int, split: Split, start: int | None = None) -> list[types_pb2.Prompt]:
-        request = env_pb2.SamplePromptsRequest(n=n, split=_SPLITS[split], start=start)
+    async def sample(
+        self, n: int, split: Split, start: int | None = None, level: str | None = None
+    ) -> list[types_pb2.Prompt]:
+        request = env_pb2.SamplePromptsRequest(n=n, split=_SPLITS[split], start=start, level=level)
         response = await self.unary("SamplePrompts", request, self._timeouts.control)
         return list(response.prompts)
 

@@ -4,7 +4,9 @@
                                                          (▶ later turns: env ⇄ rollout, episodes.py)
 
 The feeder draws prompts from the env's train stream at positions the scheduler owns (`cursor`: the
-env's own cursor, lost when it restarts, never matters, and the ledger restores ours). The
+env's own cursor, lost when it restarts, never matters, and the ledger restores ours). With the
+curriculum on (`curriculum.py`), it draws each prompt's level first and then from that level's own
+stream (`level_cursors`), whose positions map into the same train-position space. The
 dispatcher admits a group only to a rollout whose weights keep it within the staleness bound
 (`policy.expected_train_version`), records it in the ledger and runs it as its own task. A group
 that fails is dropped and its prompt, keeping its position, goes back to the front (`reissue`); an
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import operator
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from functools import partial
 
@@ -33,6 +35,7 @@ from services.scheduler.peers.clients import EnvClient, Sampling, ScoredGroup
 from services.scheduler.peers.patience import patiently
 from services.scheduler.peers.placement import credits_taken
 from services.scheduler.peers.rollouts import RolloutHandle, RolloutPool, abandonable
+from services.scheduler.pipeline.curriculum import LEVEL_KEY, LevelStats, level_cursors, level_position
 from services.scheduler.pipeline.episodes import EnvTurnFailed, EpisodeRunner, model_tokens, transcripts_of
 from services.scheduler.pipeline.policy import expected_train_version, hoist_facts, span_versions
 
@@ -71,6 +74,8 @@ class GroupPipeline:
         self._prompt_chunk = min(settings.prompt_buffer, max(1, settings.groups_per_batch))
         self._prompt_room = asyncio.Event()  # set when the buffer has room for another chunk
         self.cursor = 0  # the next train-stream position to draw
+        self.levels: LevelStats | None = None  # an env with difficulty levels (set once it is described)
+        self.level_cursors: dict[str, int] = {}  # the curriculum's next position in each level's stream
         self.reissue: deque[Drawn] = deque()
         batch = settings.groups_per_batch
         self.scored: asyncio.Queue[ScoredGroup] = asyncio.Queue(maxsize=(settings.max_staleness + 1) * batch)
@@ -97,6 +102,11 @@ class GroupPipeline:
         """Continue the train stream at `cursor`, the prompts of `reissue` first (a restart's plan)."""
         self.cursor = cursor
         self.reissue.extend(reissue)
+
+    def resume_levels(self, positions: Iterable[int]) -> None:
+        """Continue each level's stream after the positions the ledger's groups took (a restart)."""
+        if self.levels is not None:
+            self.level_cursors = level_cursors(self.levels.levels, positions)
 
     def take_filtered(self) -> int:
         """Groups filtered (dynamic sampling) since the last call."""
@@ -127,15 +137,39 @@ class GroupPipeline:
         chunk = self._prompt_chunk
         while True:
             while self.prompts.maxsize - self.prompts.qsize() >= chunk:
-                start = self.cursor
-                prompts = await patiently(
-                    self.settings.recovery, "env", partial(self.env.sample, chunk, "train", start=start)
-                )
-                self.cursor = start + len(prompts)
-                for offset, prompt in enumerate(prompts):
-                    await self.prompts.put((start + offset, prompt))
+                curriculum = self.levels is not None and self.levels.drawing
+                for drawn in await (self._draw_levels(chunk) if curriculum else self._draw(chunk)):
+                    await self.prompts.put(drawn)
             self._prompt_room.clear()
             await self._prompt_room.wait()
+
+    async def _draw(self, n: int) -> list[Drawn]:
+        """`n` prompts of the env's train stream, at the cursor."""
+        start = self.cursor
+        prompts = await patiently(
+            self.settings.recovery, "env", partial(self.env.sample, n, "train", start=start)
+        )
+        self.cursor = start + len(prompts)
+        if self.levels is not None:
+            self.levels.served(p.metadata.get(LEVEL_KEY, "") for p in prompts)
+        return [(start + offset, prompt) for offset, prompt in enumerate(prompts)]
+
+    async def _draw_levels(self, n: int) -> list[Drawn]:
+        """`n` prompts, each from the level the curriculum draws for it (one env call per level)."""
+        assert self.levels is not None
+        picks = self.levels.draw(n)
+        fetched: dict[str, deque[Drawn]] = {}
+        for level, count in Counter(picks).items():
+            start = self.level_cursors.get(level, 0)
+            prompts = await patiently(
+                self.settings.recovery, "env",
+                partial(self.env.sample, count, "train", start=start, level=level),
+            )  # fmt: skip
+            self.level_cursors[level] = start + len(prompts)
+            fetched[level] = deque(
+                (level_position(self.levels.levels, level, start + i), p) for i, p in enumerate(prompts)
+            )
+        return [fetched[level].popleft() for level in picks]
 
     async def _next_prompt(self) -> Drawn:
         if self.reissue:
@@ -219,6 +253,9 @@ class GroupPipeline:
                 r + t if i.ok else r
                 for r, t, i in zip(rewards, turn_rewards, scores.reward_infos, strict=True)
             ]
+        level = prompt.metadata.get(LEVEL_KEY)
+        if self.levels is not None and level:  # before filtering: a solved-by-all group is evidence
+            self.store.level_outcome(group_id, level, *self.levels.observe_rewards(level, rewards))
         if self.settings.dynamic_sampling and max(rewards) - min(rewards) <= 0.0:
             self.ledger.advance(group_id, GroupState.FILTERED, "zero reward variance (dynamic sampling)")
             self.filtered += 1

@@ -2,7 +2,8 @@
 evaluations on the held-out split, and the figures GetStatus reports from the last row.
 
 A row has the batch's rewards and staleness, the learner's metrics, the step's sync phases, the
-alignment probe, the rates of the pipeline since the last row and, every `eval_every` steps, the
+alignment probe, the rates of the pipeline since the last row, an env's difficulty levels
+(`curriculum/level_<name>/success`, `.../drawn`: `curriculum.py`) and, every `eval_every` steps, the
 evaluation (`evaluation.py`; a peer restarting skips one evaluation, not the run).
 """
 
@@ -92,6 +93,8 @@ class StepReport:
             filtered_groups=filtered,
             filtered_fraction=filtered / (filtered + len(planned.groups)),
         )  # fmt: skip
+        if self._groups.levels is not None:  # an env with levels: their rates and the prompts drawn
+            record.update(self._groups.levels.record())
         if self._groups.episodes.multi_turn:  # run-wide: dropped groups' violations count too
             record["episode/prefix_violations"] = self._groups.episodes.counts.prefix_violations
             record["episode/failures_total"] = self._groups.episodes.counts.failures

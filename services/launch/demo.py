@@ -44,7 +44,7 @@ from services.common.errors import GrpoError
 from services.common.security import ClientSecurity, SecuritySettings, set_client_security
 from services.launch import pretrained
 from services.launch.certs import RunCredentials, issue
-from services.launch.fronts import start_fronts
+from services.launch.fronts import keep_open, start_fronts, start_studio
 from services.launch.ownership import RunDirBusy, RunOwner
 from services.launch.processes import ServiceFailed, ServiceProcess, terminate_all
 from services.launch.report import last_row, plot_reward, read_metrics, summarize
@@ -164,8 +164,13 @@ class DemoSettings(BaseSettings):
     curriculum: bool = Field(
         default=False,
         description="Draw train prompts from the env's difficulty levels by their recent success rate "
-        "(e.g. --env-arg levels=1,2,3,4 for arithmetic); the band and window are the scheduler's "
+        "(e.g. --env-arg levels=1-4 for arithmetic); the band and window are the scheduler's "
         "curriculum options (GRPO_SCHEDULER__CURRICULUM__BAND_LOW, ...; docs/configuration.md).",
+    )
+    studio: bool = Field(
+        default=False,
+        description="Open the web studio on this run (127.0.0.1, a free port; its URL is printed and "
+        "written to <run-dir>/studio.url; docs/studio.md). It stops with the run.",
     )
     eval_every: int = Field(default=100, ge=0, description="Evaluate every N steps (and at step 0); 0 = off.")
     eval_prompts: int = Field(default=200, ge=1, description="Held-out prompts per evaluation.")
@@ -437,7 +442,7 @@ async def _run(cfg: DemoSettings, owner: RunOwner, started: float) -> int:
     ]
     for proc in workers:
         owner.track(proc)
-    scheduler = None
+    scheduler = studio = None
     fronts: list[ServiceProcess] = []  # source = external: the gateway, then the harness
     supervisor = Supervisor(workers, RestartPolicy(max_restarts=cfg.max_restarts))
     try:
@@ -469,16 +474,25 @@ async def _run(cfg: DemoSettings, owner: RunOwner, started: float) -> int:
                 flush=True,
             )
         harness = fronts[-1] if cfg.harness else None
+        if cfg.studio:
+            studio = await start_studio(
+                cfg.run_dir, creds.token if creds else None, owner, cfg.startup_timeout
+            )
         status = await follow(address, cfg, supervisor, harness)
     except ServiceFailed as exc:
         print(f"\nerror: {exc}", flush=True)
+        terminate_all([studio] if studio else [])
         return 1
     except asyncio.CancelledError:
         print("\nstopped: every service was sent SIGTERM", flush=True)
+        terminate_all([studio] if studio else [])
         return 143
     finally:
         terminate_all(fronts[::-1] + ([scheduler] if scheduler else []) + workers[::-1])
-    return report(cfg, status, time.perf_counter() - started, dict(supervisor.restarts))
+    code = report(cfg, status, time.perf_counter() - started, dict(supervisor.restarts))
+    if studio is not None:
+        await keep_open(studio)  # the finished run stays open in the studio until Ctrl-C
+    return code
 
 
 def report(

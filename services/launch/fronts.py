@@ -1,17 +1,20 @@
-"""source = external: what the launcher starts in front of the scheduler (`grpo-mesh demo --source
-external` / `--harness CMD`): the gateway, serving inference and atropos' trajectory API, then the
-harness command that talks to it (docs/ecosystem.md)."""
+"""What the launcher starts in front of the scheduler: with source = external (`grpo-mesh demo --source
+external` / `--harness CMD`), the gateway, serving inference and atropos' trajectory API, then the
+harness command that talks to it (docs/ecosystem.md); with `--studio`, the web studio on the run
+(docs/studio.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Protocol
 
 from services.launch.ownership import RunOwner
-from services.launch.processes import ServiceProcess
+from services.launch.processes import ServiceFailed, ServiceProcess, terminate_all
 from services.launch.supervisor import Supervisor
 
 
@@ -75,3 +78,45 @@ async def start_fronts(
     harness.start()
     print(f"harness: {shlex.join(command)} (log: {harness.log_file})", flush=True)
     return [gateway, harness]
+
+
+async def start_studio(
+    run_dir: Path,
+    token_file: Path | None,
+    owner: RunOwner,
+    timeout: float,  # noqa: ASYNC109 (a polling deadline)
+) -> ServiceProcess:
+    """`grpo-mesh studio` on this run (a free port on 127.0.0.1; the run's token when it has one), its
+    URL printed and written to `<run_dir>/studio.url`. Not supervised: a dead studio is not the run's."""
+    port_file = run_dir / "studio.port"
+    port_file.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "services", "studio", "--port", "0", "--port-file", str(port_file)]
+    command += ["--runs-root", str(run_dir.parent), "--run-dir", str(run_dir)]  # the same cwd as ours
+    if token_file is not None:
+        command += ["--token-file", str(token_file)]
+    studio = ServiceProcess("studio", run_dir, command=command)
+    owner.track(studio)
+    studio.start()
+    deadline = time.monotonic() + timeout
+    while not (port_file.exists() and port_file.read_text().strip()):
+        studio.check_alive()
+        if time.monotonic() > deadline:
+            raise ServiceFailed(f"the studio did not bind a port within {timeout:.0f}s:\n{studio.log_tail()}")
+        await asyncio.sleep(0.2)
+    url = f"http://127.0.0.1:{int(port_file.read_text())}/"
+    (run_dir / "studio.url").write_text(url)
+    print(f"studio: {url}" + (f" (token: {token_file})" if token_file else ""), flush=True)
+    return studio
+
+
+async def keep_open(studio: ServiceProcess) -> None:
+    """Leave the studio serving the finished run until Ctrl-C (or SIGTERM), or until it exits."""
+    print(f"the studio stays open on the finished run: {(studio.run_dir / 'studio.url').read_text()} "
+          "(Ctrl-C closes it)", flush=True)  # fmt: skip
+    try:
+        while studio.process is not None and studio.process.poll() is None:  # noqa: ASYNC110 (a child's exit)
+            await asyncio.sleep(0.5)
+    except asyncio.CancelledError:
+        pass
+    finally:
+        terminate_all([studio])

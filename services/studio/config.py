@@ -35,6 +35,7 @@ class StudioSettings(CommandSettings):
         description="Require this token on every request (header `Authorization: Bearer`, or open "
         "`/?token=...` once: a cookie keeps it). Empty: none (fine on 127.0.0.1).",
     )
+    token_file: Path | None = Field(default=None, description="Read --token from this file (a run's token).")
     call_timeout_s: float = Field(
         default=5.0, gt=0, description="Deadline of each GetStatus/Pause/Resume call."
     )

@@ -41,6 +41,7 @@ class StartForm(BaseModel):
     lora_rank: int | None = Field(default=None, ge=0, le=1024)
     seed: int | None = Field(default=0, ge=0, le=2**31 - 1)
     eval_every: int | None = Field(default=None, ge=0, le=100_000)
+    curriculum: bool = Field(default=False, description="Draw from the env's levels by recent success.")
 
     @field_validator("name")
     @classmethod
@@ -108,6 +109,8 @@ def demo_argv(form: StartForm, run_dir: str) -> list[str]:
         "--max-tokens": form.max_tokens, "--lora-rank": form.lora_rank, "--seed": form.seed,
         "--eval-every": form.eval_every,
     }  # fmt: skip
+    if form.curriculum:
+        argv.append("--curriculum")
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, str(value)]

@@ -6,8 +6,8 @@ read; the ledger is WAL, so a reader never blocks the writer) and for a finished
     metrics.jsonl   one JSON object per line: step rows, evaluation rows (`eval_only`), event rows
     ledger.sqlite   batches (step → group ids, train version), groups (issued version, state),
                     scored (group id → ScoredGroup message + float64 rewards), events;
-                    learner_logprobs (group id → the learner's per-token logprobs when it trained it),
-                    where the scheduler records them
+                    learner_logprobs (group id → the learner's per-token logprobs when it trained it:
+                    services/scheduler/ledger/token_scores.py)
 
 The ledger's schema is documented in services/scheduler/ledger/store.py; this module reads it with
 plain SQL on a read-only connection (`mode=ro`), and the payloads through the protobuf contracts.
@@ -26,6 +26,7 @@ from typing import Any
 
 from grpo.common.v1 import types_pb2
 from services.common.advantages import MODE_FOR_LOSS, LossKind, compute_advantages
+from services.scheduler.ledger.token_scores import read_learner_logprobs
 
 LEDGER = "ledger.sqlite"
 METRICS = "metrics.jsonl"
@@ -162,23 +163,6 @@ def _versions(completion: types_pb2.Completion) -> list[int | None]:
     return out
 
 
-def _learner_logprobs(db: sqlite3.Connection, group_ids: list[str]) -> dict[str, list[list[float]]]:
-    """The learner's per-token logprobs of each completion, where the scheduler recorded them."""
-    if not _has_table(db, "learner_logprobs") or not group_ids:
-        return {}
-    marks = ",".join("?" * len(group_ids))
-    found = {}
-    for gid, payload in db.execute(
-        f"SELECT group_id, payload FROM learner_logprobs WHERE group_id IN ({marks})", group_ids
-    ):
-        message = (
-            types_pb2.TrainedLogprobs.FromString(payload) if hasattr(types_pb2, "TrainedLogprobs") else None
-        )
-        if message is not None:
-            found[gid] = [list(c.logprobs) for c in message.completions]
-    return found
-
-
 def _advantage_mode(loss: str, configured: str) -> str:
     if configured and configured != "auto":
         return configured
@@ -209,7 +193,7 @@ def step_groups(
                 f"SELECT group_id, payload, rewards FROM scored WHERE group_id IN ({marks})", ids
             )
         }
-        learner = _learner_logprobs(db, ids)
+    learner = read_learner_logprobs(run_dir / LEDGER, ids)
     present = [g for g in ids if g in scored]
     advantages = compute_advantages([scored[g][1] for g in present], _advantage_mode(loss, mode))
     groups = []

@@ -51,6 +51,8 @@ async def serve(settings: StudioSettings) -> None:
 
 def main(argv: list[str], prog: str = PROG) -> int:
     settings = parse(argv, prog)
+    if settings.token_file is not None:
+        settings = settings.model_copy(update={"token": settings.token_file.read_text().strip()})
     settings.runs_root.mkdir(parents=True, exist_ok=True)
     asyncio.run(serve(settings))
     return 0

@@ -195,6 +195,8 @@ def test_a_new_user_starts_watches_and_inspects_a_run_in_the_browser(studio: Stu
         stored = _ledger_completions(run_dir, 1)
         assert len(shown) == len(stored) == 8 * 16
         assert all(any(text.startswith(s) for s in stored) for text in shown), (shown, stored)
+        # sampled tokens carry the learner's logprob beside the rollout's (the |Δ| shading)
+        assert page.locator("[data-testid=completion] .tok[title*='|Δ|']").count() >= len(stored)
         page.screenshot(path=str(shots / "studio-trajectories.png"))
 
         page.click("header nav button[data-tab=run]")

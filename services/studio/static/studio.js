@@ -114,6 +114,8 @@ function showState(s) {
     ["reward (last step)", fmt(st.reward_mean)], ["loss", fmt(st.loss)], ["staleness (mean)", fmt(st.staleness_mean)],
     ["steps / s", fmt(st.steps_per_second)], ["tokens / s", fmt(st.tokens_per_second)], ["transport", st.weight_transport],
     ["alignment |Δ| max", fmt(st.logprob_abs_diff_max)], ["error", st.error || ""]];
+  const levels = Object.entries(st.level_success || {});
+  if (levels.length) rows.push(["level success", levels.map(([k, v]) => `${k}: ${fmt(v, 2)}`).join(" · ")]);
   if (s.process) rows.push(["started here", `pid ${s.process.pid}` + (s.process.exit_code === null ? "" : `, exited ${s.process.exit_code}`)]);
   const table = $("#state-table"); table.innerHTML = "";
   for (const [k, v] of rows) table.append(el("tr", {}, el("td", {text: k}), el("td", {text: v ?? "–"})));
@@ -182,6 +184,7 @@ async function submitForm(event) {
     if (k === "env_args") body[k] = v.split(/\s+/).filter(Boolean);
     else if (["steps", "group_size", "groups_per_batch", "seed", "eval_every"].includes(k)) body[k] = Number(v);
     else if (k === "lr") body[k] = Number(v);
+    else if (k === "curriculum") body[k] = true;
     else body[k] = v;
   }
   const out = $("#form-errors"); out.textContent = "";

@@ -196,3 +196,29 @@ def test_the_scheduler_never_loads_torch() -> None:
     probe = "import sys, services.scheduler.server; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+# The studio reads a run through the scheduler's gRPC API and the run directory: of the services it
+# imports only these read-side modules (the record of a finished run, the ledger's learner logprobs,
+# the run dir's scheduler address and TLS, the launcher's record of its processes, and the env loader
+# to check a form's environment options before a run starts), never a service's internals.
+STUDIO_READS = {
+    "services.scheduler.ledger.run_record",
+    "services.scheduler.ledger.token_scores",
+    "services.scheduler.status_view",
+    "services.launch.liveset",
+    "services.env.loader",
+}
+
+
+def test_the_studio_imports_only_the_read_side_of_the_services() -> None:
+    graph = {m: targets for m, targets in _graph().items() if m.startswith("services.studio")}
+    assert graph, "no studio modules found"
+    problems = [
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if _layer(target) not in {"common", "studio"} and target not in STUDIO_READS
+        and not any(read.startswith(target + ".") for read in STUDIO_READS)  # their packages
+    ]  # fmt: skip
+    assert not problems, "the studio reaches into a service:\n" + "\n".join(sorted(problems))

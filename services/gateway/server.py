@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import ssl
 import sys
 from collections.abc import AsyncIterator
@@ -27,6 +26,7 @@ from services.common.cpus import apply_cpu_affinity
 from services.common.logging import configure_logging, get_logger
 from services.common.loop_lag import LoopLagMonitor
 from services.common.security import ClientSecurity, set_client_security
+from services.common.sockets import bind
 from services.common.telemetry import (
     LOOP_LAG,
     Reading,
@@ -150,19 +150,6 @@ def uvicorn_config(app: GatewayApp) -> uvicorn.Config:
         timeout_graceful_shutdown=int(max(1, settings.grace_seconds)),
         **tls,
     )
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket (port 0 = any free one), bound before uvicorn starts so the port is known."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # accepted connections inherit it: a response's head and body go out at once (without it, the
-    # second response on a keep-alive connection waited ~40 ms for the client's delayed ACK)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
 
 
 class RunningGateway:

@@ -109,9 +109,9 @@ def demo_argv(form: StartForm, run_dir: str) -> list[str]:
         "--max-tokens": form.max_tokens, "--lora-rank": form.lora_rank, "--seed": form.seed,
         "--eval-every": form.eval_every,
     }  # fmt: skip
-    if form.curriculum:
-        argv.append("--curriculum")
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, str(value)]
+    if form.curriculum:
+        argv.append("--curriculum")
     return argv

@@ -15,7 +15,7 @@ import sys
 import uvicorn
 
 from services.common.config import parse_cli
-from services.gateway.server import bind
+from services.common.sockets import bind
 from services.studio.app import build_app
 from services.studio.config import StudioSettings
 

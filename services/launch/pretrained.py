@@ -40,7 +40,7 @@ from typing import Any, ClassVar, TypeVar
 from pydantic import BaseModel, Field
 
 from services.env.base import PromptItem, Score
-from services.env.builtins.arithmetic import ArithmeticEnv, ArithmeticOptions, problem_at
+from services.env.builtins.arithmetic import ArithmeticEnv, ArithmeticOptions
 
 # The optional extra `smollm2` in pyproject.toml lists the same requirement (a test checks).
 GGUF_REQUIREMENT = "gguf>=0.10"
@@ -357,15 +357,12 @@ class ChatArithmeticEnv(ArithmeticEnv):
     name: ClassVar[str] = "arithmetic_chat"
     description: ClassVar[str] = "Integer arithmetic asked in chat; reward on the reply's last integer."
 
-    def prompt_at(self, split: Any, index: int) -> PromptItem:
+    def render(self, prompt_id: str, text: str, answer: str) -> PromptItem:
         options: ChatArithmeticOptions = self.options  # type: ignore[assignment]
-        text, answer = problem_at(options, split, index)
         question = options.question.format(expression=chat_expression(text))
         messages = [{"role": "system", "content": options.system_prompt}] if options.system_prompt else []
         messages.append({"role": "user", "content": question})
-        return PromptItem(
-            id=f"{self.name}-{split}-{index}", messages=tuple(messages), reference_answer=answer
-        )
+        return PromptItem(id=prompt_id, messages=tuple(messages), reference_answer=answer)
 
     def score_one(self, prompt: PromptItem, completion: str) -> Score:
         predicted = last_integer(completion)

@@ -155,7 +155,12 @@ class ArithmeticEnv(Environment[ArithmeticOptions]):
 
     def prompt_at(self, split: SplitName, index: int) -> PromptItem:
         text, answer = problem_at(self.options, split, index)
-        return PromptItem(id=f"arithmetic-{split}-{index}", text=text, reference_answer=answer)
+        return self.render(f"{self.name}-{split}-{index}", text, answer)
+
+    def render(self, prompt_id: str, text: str, answer: str) -> PromptItem:
+        """The prompt of one problem ("37+45=", "82"): here the bare expression; a subclass may ask it
+        otherwise (in chat: services/launch/pretrained.py), for the train split, each level and eval."""
+        return PromptItem(id=prompt_id, text=text, reference_answer=answer)
 
     def levels(self) -> list[str]:
         return [str(d) for d in level_digits(self.options.levels)]
@@ -163,7 +168,7 @@ class ArithmeticEnv(Environment[ArithmeticOptions]):
     def level_prompt_at(self, level: str, index: int) -> PromptItem:
         options = self.options.model_copy(update={"digits": int(level)})
         text, answer = make_problem(_problem_rng(self.options.seed, f"train-d{level}", index), options)
-        return PromptItem(id=f"arithmetic-train-d{level}-{index}", text=text, reference_answer=answer)
+        return self.render(f"{self.name}-train-d{level}-{index}", text, answer)
 
     def score_one(self, prompt: PromptItem, completion: str) -> Score:
         reward, parsed = score_answer(completion, prompt.reference_answer, self.options.partial_credit)

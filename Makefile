@@ -8,6 +8,7 @@
 #   make up [PROFILE=gpu|gpu-nccl] [GRPO_MESH_CONFIG=tiny.toml]   the four services in Docker Compose
 #   make compose-test                                   build, run, stop and resume the compose deployment
 #   make soak [SOAK_ARGS="--seed 1 --duration 600"]     a long demo under random kill -9 and SIGSTOP, then checks
+#   make studio                                         the web studio on http://127.0.0.1:7860 (runs under runs/)
 #
 # Every other command line is `.venv/bin/grpo-mesh <command>` (`grpo-mesh --help` lists them: serve,
 # status, audit, check-env, prepare, certs); booleans are a bare `--flag` / `--no-flag` everywhere.
@@ -26,7 +27,7 @@ PY_DIRS := services tests scripts bench integrations examples
 # Passed to the launcher only when set, so its own defaults apply otherwise.
 DEMO_FLAGS := $(if $(MODEL),--model $(MODEL)) $(if $(STEPS),--steps $(STEPS)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(ARGS)
 
-.PHONY: help install integrations demo test proto lint format up compose-test clean gpu-check gpu-wheels soak
+.PHONY: help install integrations demo test proto lint format up compose-test clean gpu-check gpu-wheels soak studio
 
 help: ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 10
@@ -39,6 +40,9 @@ integrations: install ## atroposlib and the OpenEnv client into .venv; openenv a
 
 demo: install ## Train end to end on this machine (MODEL=smollm2, STEPS=, RUN_DIR=, ARGS="--flag ...").
 	$(VENV)/bin/grpo-mesh demo $(DEMO_FLAGS)
+
+studio: install ## The web studio: start, watch and inspect runs, chat with the policy (docs/studio.md).
+	$(VENV)/bin/grpo-mesh studio
 
 test: install integrations ## Run the test suite (the ecosystem integrations installed first); collecting no tests is a failure.
 	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \

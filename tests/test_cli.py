@@ -29,6 +29,7 @@ MINIMAL: dict[str, list[str]] = {
     "serve scheduler": ["scheduler"],
     "serve gateway": ["gateway", "--rollouts", "127.0.0.1:50052"],
     "status": [],
+    "studio": [],
     "audit": ["runs/demo"],
     "check-env": ["arithmetic"],
     "prepare": ["--config", "run.toml"],

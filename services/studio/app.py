@@ -46,7 +46,7 @@ from services.env.loader import EnvLoadError, load_environment, parse_env_args
 from services.studio import record
 from services.studio.config import StudioSettings
 from services.studio.form import StartForm, field_errors
-from services.studio.policy import CheckpointModels, checkpoints, live_answer, model_path, token_texts
+from services.studio.policy import CheckpointModels, Question, checkpoints, live_answer, token_texts
 from services.studio.runs import Runs
 
 STATIC = Path(__file__).with_name("static")
@@ -227,20 +227,15 @@ def build_app(settings: StudioSettings) -> FastAPI:
             raise InvalidArgument(
                 f"max_tokens {ask.max_tokens} is over the studio's {settings.max_chat_tokens}"
             )
+        question = Question(ask.prompt, ask.chat, ask.temperature, ask.max_tokens, ask.seed)
         if source == "live":
             status = await runs.status(run_id)
             healthy = [r for r in status.rollouts if r.healthy] or list(status.rollouts)
             if not healthy:
                 raise FailedPrecondition(f"run {run_id!r} has no rollout to answer")
-            answer = await live_answer(
-                run_dir, healthy[0].address, ask.prompt, ask.chat, ask.temperature, ask.max_tokens, ask.seed,
-                settings.generate_timeout_s,
-            )  # fmt: skip
+            answer = await live_answer(run_dir, healthy[0].address, question, settings.generate_timeout_s)
         else:
-            model_path(run_dir)
-            answer = await models.answer(
-                run_dir, source, ask.prompt, ask.chat, ask.temperature, ask.max_tokens, ask.seed
-            )
+            answer = await models.answer(run_dir, source, question)
         return dataclasses.asdict(answer)
 
     @app.post("/api/runs/{run_id}/chat")

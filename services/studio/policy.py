@@ -75,6 +75,15 @@ def checkpoints(run_dir: Path) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Question:
+    prompt: str
+    chat: bool  # ask it as a user message, through the model's chat template (else continue the text)
+    temperature: float
+    max_tokens: int
+    seed: int
+
+
+@dataclass(frozen=True)
 class Answer:
     source: str
     text: str
@@ -82,18 +91,15 @@ class Answer:
     tokens: int
 
 
-async def live_answer(
-    run_dir: Path, rollout_address: str, prompt: str, chat: bool, temperature: float, max_tokens: int,
-    seed: int, timeout_s: float,
-) -> Answer:  # fmt: skip
-    """One completion of `prompt` by the run's live policy (its rollout at `rollout_address`)."""
+async def live_answer(run_dir: Path, rollout_address: str, q: Question, timeout_s: float) -> Answer:
+    """One completion of `q.prompt` by the run's live policy (its rollout at `rollout_address`)."""
     message = types_pb2.Prompt(id=f"studio-{uuid.uuid4().hex[:12]}", env_name="studio")
-    if chat:
-        message.messages.append(types_pb2.ChatMessage(role="user", content=prompt))
+    if q.chat:
+        message.messages.append(types_pb2.ChatMessage(role="user", content=q.prompt))
     else:
-        message.text = prompt
+        message.text = q.prompt
     params = types_pb2.SamplingParams(
-        n=1, temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=seed
+        n=1, temperature=q.temperature, top_p=1.0, max_tokens=q.max_tokens, seed=q.seed
     )
     request = rollout_pb2.GenerateRequest(request_id=message.id, prompt=message, sampling_params=params)
     client = GrpcClient(rollout_address, rollout_pb2_grpc.RolloutServiceStub, security=run_security(run_dir))
@@ -158,16 +164,7 @@ class CheckpointModels:
             self._models.popitem(last=False)
         return model
 
-    def _answer(
-        self,
-        run_dir: Path,
-        source: str,
-        prompt: str,
-        chat: bool,
-        temperature: float,
-        max_tokens: int,
-        seed: int,
-    ) -> Answer:
+    def _answer(self, run_dir: Path, source: str, q: Question) -> Answer:
         import torch
 
         base = model_path(run_dir)
@@ -181,37 +178,26 @@ class CheckpointModels:
                 f"(have: base, {', '.join(checkpoints(run_dir)) or 'none'})"
             )
         tokenizer = _tokenizer(base)
-        if chat:
+        if q.chat:
             ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True
+                [{"role": "user", "content": q.prompt}], add_generation_prompt=True
             )
         else:
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = tokenizer(q.prompt, add_special_tokens=False)["input_ids"]
         if not ids:
             raise InvalidArgument("the prompt is empty once tokenized")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         with self._lock:
             model = self._load(base, checkpoint)
-            torch.manual_seed(seed)
+            torch.manual_seed(q.seed)
             with torch.no_grad():
                 out = model.generate(
-                    torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=temperature > 0,
-                    temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
+                    torch.tensor([ids]), max_new_tokens=q.max_tokens, do_sample=q.temperature > 0,
+                    temperature=q.temperature if q.temperature > 0 else None, top_p=None, top_k=None,
                     pad_token_id=pad,
                 )  # fmt: skip
         new = out[0, len(ids) :].tolist()
         return Answer(source, tokenizer.decode(new, skip_special_tokens=True), None, len(new))
 
-    async def answer(
-        self,
-        run_dir: Path,
-        source: str,
-        prompt: str,
-        chat: bool,
-        temperature: float,
-        max_tokens: int,
-        seed: int,
-    ) -> Answer:
-        return await asyncio.to_thread(
-            self._answer, run_dir, source, prompt, chat, temperature, max_tokens, seed
-        )
+    async def answer(self, run_dir: Path, source: str, q: Question) -> Answer:
+        return await asyncio.to_thread(self._answer, run_dir, source, q)

@@ -144,6 +144,8 @@ def run_table(s: Status, address: str, state: Text | None = None) -> Table:
         ("last sync", sync_phases(s)),
         ("uptime", duration(s.uptime_seconds)),
     ]
+    if s.level_success:  # an env with difficulty levels: each level's recent success rate
+        rows.append(("level success", "  ".join(f"{k}: {v:.2f}" for k, v in s.level_success.items())))
     if s.error:
         rows.append(("error", Text(s.error, style="red")))
     for name, value in rows:

@@ -275,3 +275,11 @@ async def test_watch_shows_unreachable_and_ctrl_c_exits_0() -> None:
     _, err = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0, err.decode()
     assert b"scheduler 127.0.0.1:1 unreachable" in seen and b"(retrying)" in seen
+
+
+def test_a_run_with_difficulty_levels_shows_each_level_success_rate() -> None:
+    assert "level success" not in _text(render(_status(), "a:1"))
+    status = _status()
+    status.level_success.update({"1": 0.75, "2": 0.125})
+    text = _text(render(status, "a:1"))
+    assert "level success" in text and "1: 0.75  2: 0.12" in text

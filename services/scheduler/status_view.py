@@ -145,7 +145,8 @@ def run_table(s: Status, address: str, state: Text | None = None) -> Table:
         ("uptime", duration(s.uptime_seconds)),
     ]
     if s.level_success:  # an env with difficulty levels: each level's recent success rate
-        rows.append(("level success", "  ".join(f"{k}: {v:.2f}" for k, v in s.level_success.items())))
+        levels = sorted(s.level_success.items(), key=lambda kv: (not kv[0].isdigit(), kv[0].zfill(9)))
+        rows.append(("level success", "  ".join(f"{k}: {v:.2f}" for k, v in levels)))  # a map: no order
     if s.error:
         rows.append(("error", Text(s.error, style="red")))
     for name, value in rows:

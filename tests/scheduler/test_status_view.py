@@ -282,4 +282,4 @@ def test_a_run_with_difficulty_levels_shows_each_level_success_rate() -> None:
     status = _status()
     status.level_success.update({"1": 0.75, "2": 0.125})
     text = _text(render(status, "a:1"))
-    assert "level success" in text and "1: 0.75  2: 0.12" in text
+    assert "level success" in text and "1: 0.75  2: 0.12" in text, text

@@ -114,7 +114,7 @@ function showState(s) {
     ["reward (last step)", fmt(st.reward_mean)], ["loss", fmt(st.loss)], ["staleness (mean)", fmt(st.staleness_mean)],
     ["steps / s", fmt(st.steps_per_second)], ["tokens / s", fmt(st.tokens_per_second)], ["transport", st.weight_transport],
     ["alignment |Δ| max", fmt(st.logprob_abs_diff_max)], ["error", st.error || ""]];
-  const levels = Object.entries(st.level_success || {});
+  const levels = Object.entries(st.level_success || {}).sort(([a], [b]) => a.localeCompare(b, undefined, {numeric: true}));
   if (levels.length) rows.push(["level success", levels.map(([k, v]) => `${k}: ${fmt(v, 2)}`).join(" · ")]);
   if (s.process) rows.push(["started here", `pid ${s.process.pid}` + (s.process.exit_code === null ? "" : `, exited ${s.process.exit_code}`)]);
   const table = $("#state-table"); table.innerHTML = "";

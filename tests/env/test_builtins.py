@@ -127,3 +127,35 @@ async def test_gsm8k_parquet_file_matches_jsonl(gsm8k_file: Path, tmp_path: Path
     await from_parquet.setup()
     got = [(p.messages, p.reference_answer) for p in await take(PromptCursor(from_parquet), 8)]
     assert got == [(p.messages, p.reference_answer) for p in await take(PromptCursor(from_jsonl), 8)]
+
+
+async def test_gsm8k_levels_by_solution_length(tmp_path: Path) -> None:
+    from services.env.builtins.gsm8k import length_levels, solution_steps
+
+    assert solution_steps("a = 1\n\nb = 2\n#### 3") == 2 and solution_steps("#### 3") == 0
+    assert length_levels(["x\ny\n#### 1", "#### 1", "x\n#### 1", "#### 2"], 2) == [[1, 3], [2, 0]]
+    rows = [
+        {"question": f"q{i}", "answer": "".join(f"step {k}\n" for k in range(i % 5)) + f"#### {i}"}
+        for i in range(40)
+    ]
+    path = tmp_path / "levels.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    env = load_environment("gsm8k", {"path": str(path), "eval_size": 5, "levels": 3})
+    await env.setup()
+    assert env.levels() == ["1", "2", "3"]
+    assert sum(env.level_size(level) for level in env.levels()) == env.split_size("train") == 35
+    cursor = PromptCursor(env)
+    steps = {}
+    for level in env.levels():
+        drawn = (await cursor.take(env.level_size(level), "train", level=level)).prompts
+        assert {p.metadata["level"] for p in drawn} == {level}
+        lengths = [int(p.reference_answer) % 5 for p in drawn]  # row i has i % 5 steps
+        steps[level] = (min(lengths), max(lengths))
+    assert steps["1"][1] <= steps["2"][0] and steps["2"][1] <= steps["3"][0], steps  # shortest first
+    with pytest.raises(EnvLoadError, match="less than or equal to 20"):
+        load_environment("gsm8k", {"path": str(path), "levels": 21})
+    small = tmp_path / "small.jsonl"
+    small.write_text("\n".join(json.dumps(r) for r in rows[:10]) + "\n")
+    too_many = load_environment("gsm8k", {"path": str(small), "eval_size": 5, "levels": 6})
+    with pytest.raises(ValueError, match="levels=6 needs at least 6 train rows, got 5"):
+        await too_many.setup()

@@ -45,6 +45,13 @@ class Gsm8kOptions(BaseModel):
     chat: bool = Field(default=True, description="Serve prompts as chat messages (else plain text).")
     system_prompt: str | None = Field(default=None, description="Optional system message (chat only).")
     seed: int = Field(default=0, description="Seed of the train order and of the hold-out split.")
+    levels: int = Field(
+        default=0,
+        ge=0,
+        le=20,
+        description="Difficulty levels for the curriculum: the train rows split into this many levels by "
+        "solution length (reasoning lines before '####'), shortest first, named 1..N; 0 = none.",
+    )
 
 
 def gold_answer(solution: str) -> str:
@@ -52,6 +59,21 @@ def gold_answer(solution: str) -> str:
     if "####" not in solution:
         raise ValueError(f"no '####' in answer {solution[:80]!r}")
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def solution_steps(solution: str) -> int:
+    """A solution's length in reasoning steps: its non-empty lines before the '####' line."""
+    return sum(1 for line in solution.split("####")[0].splitlines() if line.strip())
+
+
+def length_levels(solutions: list[str], count: int) -> list[list[int]]:
+    """Row indices in `count` levels of (nearly) equal size by solution length, shortest first (ties
+    by row order, so the split is deterministic); ValueError when there are fewer rows than levels."""
+    if count > len(solutions):
+        raise ValueError(f"gsm8k: levels={count} needs at least {count} train rows, got {len(solutions)}")
+    order = sorted(range(len(solutions)), key=lambda i: (solution_steps(solutions[i]), i))
+    bounds = [round(k * len(order) / count) for k in range(count + 1)]
+    return [order[bounds[k] : bounds[k + 1]] for k in range(count)]
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
@@ -121,6 +143,7 @@ class Gsm8kEnv(Environment[Gsm8kOptions]):
         super().__init__(options)
         # The data, loaded by setup() (service) — not a cursor: positions live in the service's PromptCursor.
         self._rows: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
+        self._levels: list[list[int]] = []  # train row indices of each level (options.levels > 0)
 
     async def setup(self) -> None:
         await asyncio.to_thread(self._load)
@@ -147,9 +170,20 @@ class Gsm8kEnv(Environment[Gsm8kOptions]):
         if not train:
             raise ValueError("gsm8k train split is empty")
         self._rows = {"train": train, "eval": evaluation}
+        if o.levels:
+            self._levels = length_levels([str(row[o.answer_field]) for row in train], o.levels)
 
     def split_size(self, split: SplitName) -> int:
         return len(self._rows[split])
+
+    def levels(self) -> list[str]:
+        return [str(k + 1) for k in range(self.options.levels)]
+
+    def level_size(self, level: str) -> int:
+        return len(self._levels[int(level) - 1])
+
+    def level_prompt_at(self, level: str, index: int) -> PromptItem:
+        return self.prompt_at("train", self._levels[int(level) - 1][index])
 
     def prompt_at(self, split: SplitName, index: int) -> PromptItem:
         row = self._rows[split][index]

@@ -175,6 +175,10 @@ class Runs:
         record), why it is not live, and this studio's own process for it."""
         run_dir = self.path(run_id)
         launched = self.launched.get(run_id)
+        live = liveset.read(run_dir)  # the launcher's record of the processes it runs (restarts rewrite it)
+        services = [
+            {"role": m.role, "pid": m.pid, "running": m.running()} for m in (live.services if live else [])
+        ]
         process = None
         if launched is not None:
             process = {
@@ -187,12 +191,12 @@ class Runs:
             phase = "failed" if status.error else "finished" if status.finished else (
                 "paused" if status.paused else "running")  # fmt: skip
             return {"id": run_id, "dir": str(run_dir), "live": True, "phase": phase, "why": "",
-                    "status": _as_dict(status), "process": process}  # fmt: skip
+                    "status": _as_dict(status), "process": process, "services": services}  # fmt: skip
         except (GrpoError, FailedPrecondition) as exc:
             why = str(exc)
         phase, status_dict = self._offline_phase(run_dir, launched)
         return {"id": run_id, "dir": str(run_dir), "live": False, "phase": phase, "why": why,
-                "status": status_dict, "process": process}  # fmt: skip
+                "status": status_dict, "process": process, "services": services}  # fmt: skip
 
     def _offline_phase(self, run_dir: Path, launched: Launched | None) -> tuple[str, dict[str, Any]]:
         """The phase of a run whose scheduler does not answer: starting (our demo is still coming up),

@@ -261,6 +261,9 @@ def test_a_run_started_from_the_studio_stops_from_it(studio: Studio) -> None:
     )  # fmt: skip
     assert reply.status_code == 201, reply.text
     _wait(lambda: studio.http.get("/api/runs/stopme/state").json()["phase"] == "running", 240, "running")
+    running = studio.http.get("/api/runs/stopme/state").json()["services"]
+    assert {m["role"] for m in running} >= {"env", "learner", "rollout-0", "scheduler"}
+    assert all(m["running"] for m in running)
     assert studio.http.post("/api/runs/stopme/pause").json() == {"paused": True}
     assert studio.http.get("/api/runs/stopme/state").json()["phase"] == "paused"
     assert studio.http.post("/api/runs/stopme/resume").json() == {"paused": False}

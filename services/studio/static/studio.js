@@ -119,6 +119,8 @@ function showState(s) {
   if (s.process) rows.push(["started here", `pid ${s.process.pid}` + (s.process.exit_code === null ? "" : `, exited ${s.process.exit_code}`)]);
   const table = $("#state-table"); table.innerHTML = "";
   for (const [k, v] of rows) table.append(el("tr", {}, el("td", {text: k}), el("td", {text: v ?? "–"})));
+  const sv = $("#service-table"); sv.innerHTML = "<tr><th>service</th><th>pid</th><th>running</th></tr>";
+  for (const m of (s.services || [])) sv.append(el("tr", {}, el("td", {text: m.role}), el("td", {text: m.pid}), el("td", {text: m.running ? "yes" : "NO"})));
   const rt = $("#rollout-table"); rt.innerHTML = "<tr><th>rollout</th><th>address</th><th>version</th><th>load</th><th>healthy</th></tr>";
   for (const r of (st.rollouts || [])) {
     rt.append(el("tr", {}, el("td", {text: r.rollout_id}), el("td", {text: r.address}), el("td", {text: r.weight_version}),

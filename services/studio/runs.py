@@ -76,7 +76,8 @@ class Runs:
                 if is_run_dir(path) or path.name in self.launched:
                     found[path.name] = path.resolve()
         for path in self.extra:
-            found.setdefault(path.name if path.name not in found else str(path), path)
+            if path not in found.values():  # a --run-dir under --runs-root is listed once
+                found.setdefault(path.name if path.name not in found else str(path), path)
         return found
 
     def path(self, run_id: str) -> Path:

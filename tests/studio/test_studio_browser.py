@@ -190,6 +190,9 @@ def test_a_new_user_starts_watches_and_inspects_a_run_in_the_browser(studio: Stu
         # a step's completions, as the ledger holds them
         page.click("header nav button[data-tab=trajectories]")
         page.select_option("[data-testid=step-select]", "1")
+        page.wait_for_selector(
+            "[data-testid=groups][data-step='1']", timeout=60_000
+        )  # step 1's, not the last's
         completions = page.locator("[data-testid=completion]")
         sync_api.expect(completions.first).to_be_visible(timeout=30_000)
         shown = completions.all_inner_texts()

@@ -245,7 +245,9 @@ async function showGroups() {
   const box = $("#groups");
   try {
     const data = await api(`/api/runs/${state.run}/steps/${step}?${q}`);
+    if ($("#step-select").value !== step) return;  // another step was chosen meanwhile: its answer wins
     box.innerHTML = "";
+    box.dataset.step = step;
     box.append(el("p", {class: "legend", text: `${data.groups.length} of ${data.total_groups} groups shown`}));
     for (const g of data.groups) {
       const card = el("div", {class: "group", "data-testid": "group"});

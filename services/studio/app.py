@@ -139,8 +139,10 @@ def build_app(settings: StudioSettings) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    # Routes that read files (the run dir, the ledger, a tokenizer) are plain functions: FastAPI runs
+    # them in its thread pool, off the event loop.
     @app.get("/api/runs")
-    async def list_runs() -> dict[str, Any]:
+    def list_runs() -> dict[str, Any]:
         found = runs.all()
         return {
             "runs": [{"id": k, "dir": str(v), "started_here": k in runs.launched} for k, v in found.items()]
@@ -178,23 +180,23 @@ def build_app(settings: StudioSettings) -> FastAPI:
         return {"paused": await runs.pause(run_id, False)}
 
     @app.get("/api/runs/{run_id}/metrics")
-    async def metrics(run_id: str, offset: int = 0) -> dict[str, Any]:
+    def metrics(run_id: str, offset: int = 0) -> dict[str, Any]:
         rows = record.read_rows(runs.path(run_id), max(0, offset))
         return {"rows": rows.rows, "offset": rows.offset}
 
     @app.get("/api/runs/{run_id}/events")
-    async def events(run_id: str) -> dict[str, Any]:
+    def events(run_id: str) -> dict[str, Any]:
         return {"events": record.events(runs.path(run_id))}
 
     @app.get("/api/runs/{run_id}/steps")
-    async def steps(run_id: str) -> dict[str, Any]:
+    def steps(run_id: str) -> dict[str, Any]:
         found = record.list_steps(runs.path(run_id))
         return {
-            "steps": [{**dataclasses.asdict(s), "reward_mean": record._finite(s.reward_mean)} for s in found]
+            "steps": [{**dataclasses.asdict(s), "reward_mean": record.finite(s.reward_mean)} for s in found]
         }
 
     @app.get("/api/runs/{run_id}/steps/{step}")
-    async def step_groups(
+    def step_groups(
         run_id: str, step: int, min_reward: float | None = None, max_reward: float | None = None,
         failure: str = "", min_staleness: int = 0,
     ) -> dict[str, Any]:  # fmt: skip
@@ -218,7 +220,7 @@ def build_app(settings: StudioSettings) -> FastAPI:
         return {"step": step, "groups": shown, "total_groups": len(groups)}
 
     @app.get("/api/runs/{run_id}/checkpoints")
-    async def list_checkpoints(run_id: str) -> dict[str, Any]:
+    def list_checkpoints(run_id: str) -> dict[str, Any]:
         return {"sources": ["live", "base", *checkpoints(runs.path(run_id))]}
 
     async def _answer(run_id: str, source: str, ask: Ask) -> dict[str, Any]:

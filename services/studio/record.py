@@ -40,7 +40,7 @@ class Rows:
     offset: int
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     """JSON for a browser: NaN and ±inf become null (JSON has no such numbers)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -67,7 +67,7 @@ def read_rows(run_dir: Path, offset: int = 0) -> Rows:
         except json.JSONDecodeError:
             continue
         if isinstance(row, dict):
-            rows.append({k: _finite(v) for k, v in row.items()})
+            rows.append({k: finite(v) for k, v in row.items()})
     return Rows(rows, offset + end)
 
 

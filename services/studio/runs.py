@@ -195,7 +195,7 @@ class Runs:
                     "status": _as_dict(status), "process": process, "services": services}  # fmt: skip
         except (GrpoError, FailedPrecondition) as exc:
             why = str(exc)
-        phase, status_dict = self._offline_phase(run_dir, launched)
+        phase, status_dict = await asyncio.to_thread(self._offline_phase, run_dir, launched)  # SQLite
         return {"id": run_id, "dir": str(run_dir), "live": False, "phase": phase, "why": why,
                 "status": status_dict, "process": process, "services": services}  # fmt: skip
 
@@ -218,6 +218,12 @@ class Runs:
         if launched is not None and (launched.exit_code or 0) > 0:
             return "failed", status_dict  # the launcher gave up (e.g. a service failed to start)
         return ("crashed" if record is not None else "empty"), status_dict
+
+
+def _services(run_dir: Path) -> list[dict[str, Any]]:
+    """The launcher's record of the processes it runs (a restart rewrites it): role, pid, running."""
+    live = liveset.read(run_dir)
+    return [{"role": m.role, "pid": m.pid, "running": m.running()} for m in (live.services if live else [])]
 
 
 def _as_dict(message: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from google.protobuf.json_format import MessageToDict
 from grpo.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.clients import GrpcClient
 from services.common.errors import FailedPrecondition, GrpoError, NotFound, Unavailable
+from services.common.parent_death import die_with_parent
 from services.launch import liveset
 from services.scheduler.ledger.run_record import has_record, read_record
 from services.scheduler.status_view import resolve_address, run_security
@@ -114,6 +116,9 @@ class Runs:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # SIGTERM to the demo (which stops its services) when the studio dies, kill -9 included;
+                # armed for the thread that starts it: the async route runs on the main thread
+                preexec_fn=partial(die_with_parent, os.getpid()),
             )
         self.launched[name] = Launched(process, argv)
         return name

@@ -20,6 +20,7 @@ from services.studio.app import build_app
 from services.studio.config import StudioSettings
 
 PROG = "grpo-mesh studio"
+GRACE_S = 5  # on SIGTERM: requests in flight get this long
 
 
 def parse(argv: list[str], prog: str = PROG) -> StudioSettings:
@@ -31,7 +32,15 @@ async def serve(settings: StudioSettings) -> None:
     sock = bind(settings.host, settings.port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(app, host=settings.host, port=port, loop="none", log_config=None, access_log=False)
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=port,
+            loop="none",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=GRACE_S,  # an open page's keep-alive must not hold the exit forever
+        )
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn sets a flag)

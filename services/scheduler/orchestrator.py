@@ -33,7 +33,13 @@ from services.common.logging import get_logger
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.ledger.group_ledger import GroupLedger
 from services.scheduler.ledger.lineage import Lineage
-from services.scheduler.ledger.recovery import RecoveryPlan, check_restored, learner_ahead, ledger_steps
+from services.scheduler.ledger.recovery import (
+    RecoveryPlan,
+    check_restored,
+    learner_ahead,
+    ledger_steps,
+    left_paused,
+)
 from services.scheduler.ledger.store import LedgerStore, Snapshot, new_run_id
 from services.scheduler.observe.status import RolloutStatus, SchedulerStatus
 from services.scheduler.observe.timeline import LEARNER, Timeline
@@ -88,6 +94,7 @@ class Orchestrator:
         self.advantage_mode = settings.advantage_mode
         self._born = time.monotonic()
         self.run_id = ""  # the ledger's, once the run is prepared
+        self._pause_asked = False
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -175,6 +182,9 @@ class Orchestrator:
                 groups_per_batch=cfg.groups_per_batch, max_staleness=cfg.max_staleness, generation=0,
                 first_step=state.step,
             )  # fmt: skip
+        if resumed and not self._pause_asked and left_paused(snapshot):
+            self.groups.pause(True)  # paused before the restart: still paused (Resume goes on)
+            log.info("the run was paused before this restart: it stays paused until Resume")
         self.store.event("scheduler_start", step=self.step, version=self.version, resumed=resumed)
         await self.store.flush()
         recovery = self.settings.recovery  # a rollout may still be (re)starting
@@ -365,8 +375,18 @@ class Orchestrator:
         return self.groups.paused
 
     def pause(self, paused: bool) -> None:
-        """Stop (or restart) issuing new groups; in-flight groups still finish and train."""
-        self.groups.pause(paused)
+        """Stop (or restart) issuing new groups; in-flight groups still finish and train. The change
+        is queued for the ledger (`paused`/`resumed` events): a restarted scheduler keeps it."""
+        self._pause_asked = True  # this incarnation was told: the ledger's older word does not apply
+        if paused != self.paused:
+            self.groups.pause(paused)
+            self.store.event("paused" if paused else "resumed", step=self.step)
+
+    async def set_paused(self, paused: bool) -> None:
+        """`pause`, on disk before it returns (once the ledger is open; before, its first write)."""
+        self.pause(paused)
+        if self.store.is_open:
+            await self.store.flush()
 
     def status(self) -> SchedulerStatus:
         depths = self.groups.queue_depths()

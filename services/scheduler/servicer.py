@@ -90,9 +90,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         )
 
     async def Pause(self, request, context: grpc.aio.ServicerContext):
-        self._orchestrator.pause(True)
+        await self._orchestrator.set_paused(True)
         return scheduler_pb2.PauseResponse(paused=True)
 
     async def Resume(self, request, context: grpc.aio.ServicerContext):
-        self._orchestrator.pause(False)
+        await self._orchestrator.set_paused(False)
         return scheduler_pb2.ResumeResponse(paused=False)

@@ -101,7 +101,7 @@ def _check_env(form: StartForm) -> None:
 
 
 def build_app(settings: StudioSettings) -> FastAPI:
-    runs = Runs(settings.runs_root, settings.run_dir, settings.call_timeout_s)
+    runs = Runs(settings.runs_root, settings.run_dir, settings.call_timeout_s, settings.control_wait_s)
     models = CheckpointModels()
     app = FastAPI(title="grpo-mesh studio", docs_url=None, redoc_url=None)
     app.state.runs = runs

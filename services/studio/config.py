@@ -39,5 +39,10 @@ class StudioSettings(CommandSettings):
     call_timeout_s: float = Field(
         default=5.0, gt=0, description="Deadline of each GetStatus/Pause/Resume call."
     )
+    control_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="How long Pause/Resume wait for a scheduler its launcher is restarting (or starting).",
+    )
     generate_timeout_s: float = Field(default=120.0, gt=0, description="Deadline of a chat answer.")
     max_chat_tokens: int = Field(default=256, ge=1, le=4096, description="Longest chat answer allowed.")

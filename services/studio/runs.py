@@ -63,10 +63,13 @@ def is_run_dir(path: Path) -> bool:
 class Runs:
     """Every run the studio shows, by id (the directory's name; `--run-dir`s by their path)."""
 
-    def __init__(self, runs_root: Path, run_dirs: list[Path], call_timeout_s: float) -> None:
+    def __init__(
+        self, runs_root: Path, run_dirs: list[Path], call_timeout_s: float, control_wait_s: float = 30.0
+    ) -> None:
         self.runs_root = runs_root
         self.extra = [p.resolve() for p in run_dirs]
         self.call_timeout_s = call_timeout_s
+        self.control_wait_s = control_wait_s
         self.launched: dict[str, Launched] = {}
 
     # ---- which runs ---------------------------------------------------------------------------
@@ -170,11 +173,24 @@ class Runs:
         return await self.call(run_id, "GetStatus", scheduler_pb2.GetStatusRequest())
 
     async def pause(self, run_id: str, paused: bool) -> bool:
-        if paused:
-            reply = await self.call(run_id, "Pause", scheduler_pb2.PauseRequest())
-        else:
-            reply = await self.call(run_id, "Resume", scheduler_pb2.ResumeRequest())
-        return reply.paused
+        """Pause (or Resume) the run's scheduler. While its launcher lives but the scheduler does not
+        answer (the launcher is restarting it, or starting the run), the call is made again until it
+        answers, for up to `control_wait_s`: a click during a restart takes effect once the scheduler
+        is back (and a restarted scheduler keeps a pause it had, from its ledger)."""
+        method, request = ("Pause", scheduler_pb2.PauseRequest()) if paused else (
+            "Resume", scheduler_pb2.ResumeRequest())  # fmt: skip
+        deadline = time.monotonic() + self.control_wait_s
+        while True:
+            try:
+                return (await self.call(run_id, method, request)).paused
+            except (Unavailable, FailedPrecondition):
+                if time.monotonic() >= deadline or not self._launcher_alive(run_id):
+                    raise
+            await asyncio.sleep(0.5)
+
+    def _launcher_alive(self, run_id: str) -> bool:
+        live = liveset.read(self.path(run_id))
+        return live is not None and live.launcher.running()
 
     async def state(self, run_id: str) -> dict[str, Any]:
         """What the run page shows at the top: the phase, GetStatus as JSON (live, or rebuilt from the

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from services.scheduler.ledger.audit import audit
 from services.scheduler.ledger.group_ledger import GroupState
+from services.scheduler.ledger.run_record import read_record
 from services.scheduler.ledger.store import FILE_NAME, read_ledger
 from services.scheduler.ledger.token_scores import read_learner_logprobs
 
@@ -159,3 +160,48 @@ async def test_a_step_whose_row_was_never_written_gets_a_recovered_row(tmp_path:
     assert rows[2]["recovered"] and rows[2]["reward_mean"] == 0.5
     assert [step for step, _ in _steps_sent(first.learner)] == [0, 1, 2, 3, 4]
     _audited(tmp_path)
+
+
+async def test_a_run_paused_when_its_scheduler_died_is_still_paused_after_the_restart(tmp_path: Path) -> None:
+    first = cluster(tmp_path, FakeRollout("r0"), max_steps=8)
+    _crash(first.orchestrator)
+    run = asyncio.create_task(first.orchestrator.run())
+    await first.learner.wait_for_version(2)
+    await first.orchestrator.set_paused(True)  # on disk before Pause answers
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    assert read_record(tmp_path).status.paused  # the record of a killed run says so too
+
+    second = cluster(tmp_path, FakeRollout("r0"), env=first.env, learner=first.learner, max_steps=8)
+    run = asyncio.create_task(second.orchestrator.run())
+    for _ in range(2000):  # the restarted scheduler reads its ledger and prepares
+        if second.orchestrator.run_id:
+            break
+        await asyncio.sleep(0.005)
+    cursor = first.env.cursor
+    for _ in range(40):
+        await asyncio.sleep(0.005)
+    assert second.orchestrator.paused and first.env.cursor == cursor  # no new prompt drawn
+    assert not run.done()
+    await second.orchestrator.set_paused(False)
+    await run
+    assert second.orchestrator.finished and not second.orchestrator.error
+    assert [step for step, _ in _steps_sent(first.learner)] == list(range(8))
+    kinds = [kind for kind, _, _ in read_ledger(tmp_path).events]
+    assert kinds.count("paused") == 1 and kinds.count("resumed") == 1  # not written again on restart
+    assert _audited(tmp_path)["steps"] == 8
+
+
+async def test_a_run_stopped_while_paused_starts_again_unpaused(tmp_path: Path) -> None:
+    first = cluster(tmp_path, FakeRollout("r0"), max_steps=6)
+    run = asyncio.create_task(first.orchestrator.run())
+    await first.learner.wait_for_version(2)
+    await first.orchestrator.set_paused(True)
+    run.cancel()  # a clean stop (SIGTERM): the ledger records its ending
+    await asyncio.gather(run, return_exceptions=True)
+    record = read_record(tmp_path)
+    assert record.ending == "stopped" and not record.status.paused
+
+    second = cluster(tmp_path, FakeRollout("r0"), env=first.env, learner=first.learner, max_steps=6)
+    await second.run()  # started again by its user: it trains to the end without a Resume
+    assert second.orchestrator.finished and not second.orchestrator.paused

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
 from pathlib import Path
 
 import pytest
 
-from services.common.errors import FailedPrecondition, NotFound
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.launch import liveset
 from services.studio.runs import Runs
+from tests.scheduler.test_status_view import _serve
 
 
 def _run(path: Path, *files: str) -> Path:
@@ -38,3 +43,34 @@ async def test_a_run_without_a_scheduler_or_a_record_is_empty_and_cannot_be_stop
         runs.stop("fresh")
     with pytest.raises(FailedPrecondition, match="no scheduler running"):
         await runs.pause("fresh", True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_a_pause_sent_while_the_scheduler_restarts_lands_once_it_is_back(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path / "r", "run.toml")
+    me = liveset.Member("launcher", os.getpid(), liveset.start_time(os.getpid()))
+    liveset.write(run_dir, liveset.Record(me))  # its launcher lives: a restart is under way
+    (run_dir / "scheduler.port").write_text(f"{_free_port()}\n")  # nothing listens there (yet)
+    runs = Runs(tmp_path, [], call_timeout_s=1, control_wait_s=60)
+    pause = asyncio.create_task(runs.pause("r", True))
+    await asyncio.sleep(1.5)
+    assert not pause.done()  # still waiting for the scheduler
+    scheduler = await _serve(tmp_path / "scheduler")  # the real SchedulerApp (in-memory peers)
+    try:
+        (run_dir / "scheduler.port").write_text(f"{scheduler.port}\n")  # the restarted one's port
+        assert await asyncio.wait_for(pause, 30) is True
+        assert (await runs.status("r")).paused
+        assert await runs.pause("r", False) is False
+    finally:
+        await scheduler.close()
+
+    # with no launcher alive, nothing is coming back: the studio says so at once
+    liveset.remove(run_dir)
+    (run_dir / "scheduler.port").write_text(f"{_free_port()}\n")
+    with pytest.raises(Unavailable, match="does not answer"):  # not TimeoutError: it did not wait 60 s
+        await asyncio.wait_for(runs.pause("r", True), 30)

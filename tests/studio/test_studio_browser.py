@@ -111,6 +111,12 @@ def _scheduler_pid(run_dir: Path) -> int | None:
     return found[0].pid if found else None
 
 
+def _live_step(studio: Studio) -> int:
+    """The step the run's scheduler reports, -1 while it does not answer."""
+    state = studio.http.get("/api/runs/browser/state").json()
+    return int(state["status"]["step"]) if state["live"] else -1
+
+
 def _polyline_points(page, chart: str) -> int:
     return page.evaluate(
         """(id) => { const p = document.querySelector(`#chart-${id} polyline`);
@@ -167,8 +173,13 @@ def test_a_new_user_starts_watches_and_inspects_a_run_in_the_browser(studio: Stu
         _wait(lambda: _polyline_points(page, "reward") > first, 180, "the curve to grow")
 
         # the scheduler dies; its launcher restarts it; the same page keeps following the run
+        died_at = _live_step(studio)
         killed = _kill_scheduler(run_dir)
         _wait(lambda: _scheduler_pid(run_dir) not in (None, killed), 120, "the scheduler's restart")
+        # the restarted scheduler answers and trains past the step it died at (asked of the API: the
+        # page may still show the phase of its last poll before the kill, and the curve rows the dead
+        # scheduler wrote last)
+        _wait(lambda: _live_step(studio) > died_at, 240, "the restarted scheduler to train")
         sync_api.expect(phase).to_have_text("running", timeout=120_000)
         grown = _polyline_points(page, "reward")
         _wait(lambda: _polyline_points(page, "reward") > grown, 240, "steps after the scheduler's restart")

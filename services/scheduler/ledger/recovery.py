@@ -69,6 +69,22 @@ class RecoveryPlan:
         return self.rewound_from is not None
 
 
+ENDINGS = ("run_finished", "run_failed", "run_stopped")  # the scheduler's ledger events
+
+
+def left_paused(snapshot: Snapshot) -> bool:
+    """The run was paused when its scheduler last stopped without an ending (killed, crashed): the
+    last `paused`/`resumed` event says so. A run that ended (stopped, finished) and is started again
+    starts unpaused."""
+    paused = False
+    for kind, _, _ in snapshot.events:
+        if kind in ("paused", "resumed"):
+            paused = kind == "paused"
+        elif kind in ENDINGS:
+            paused = False
+    return paused
+
+
 def known_version(snapshot: Snapshot) -> int:
     """The newest weight version the ledger has seen: trained to, or that produced a token."""
     trained = max((t.version_after for t in snapshot.trainings), default=0)

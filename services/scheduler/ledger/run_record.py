@@ -22,10 +22,9 @@ from typing import Any
 
 from grpo.scheduler.v1 import scheduler_pb2
 from services.scheduler.ledger.group_ledger import GroupState
+from services.scheduler.ledger.recovery import ENDINGS, left_paused
 from services.scheduler.ledger.store import FILE_NAME, read_ledger
 from services.scheduler.observe.metrics import is_step_row
-
-ENDINGS = ("run_finished", "run_failed", "run_stopped")  # the scheduler's ledger events
 
 
 @dataclass(frozen=True)
@@ -112,5 +111,6 @@ def read_record(run_dir: Path) -> RunRecord:
                 status.error = str(detail.get("error", "")) if kind == "run_failed" else ""
             elif kind == "scheduler_start":
                 ending = ""  # a later incarnation started: an earlier ending is not the last word
+        status.paused = not ending and left_paused(snapshot)  # killed while paused: a restart keeps it
     status.finished = ending in ("finished", "failed")
     return RunRecord(status, ending, at)

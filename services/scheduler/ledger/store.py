@@ -307,6 +307,10 @@ class LedgerStore:
             self._db = None
             self._executor.shutdown(wait=False)
 
+    @property
+    def is_open(self) -> bool:
+        return self._db is not None
+
     def _connection(self) -> sqlite3.Connection:
         if self._db is None:
             raise RuntimeError("ledger store is not open")

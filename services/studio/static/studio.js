@@ -201,7 +201,7 @@ async function submitForm(event) {
 }
 
 async function control(action) {
-  const msg = $("#control-msg"); msg.textContent = "";
+  const msg = $("#control-msg"); msg.textContent = action + ": sending (a restarting scheduler is waited for)";
   try { await api(`/api/runs/${state.run}/${action}`, {method: "POST"}); msg.textContent = action + ": sent"; poll(); }
   catch (err) { msg.textContent = err.message; }
 }

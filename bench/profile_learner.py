@@ -72,6 +72,12 @@ def main() -> None:
         default=True,
         help="--no-profiler: step times only",
     )
+    p.add_argument(
+        "--shared-prefix",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-shared-prefix: every row run whole (a group's prompt once per row)",
+    )
     p.add_argument("--trl", action="store_true", help="profile TRL's GRPOTrainer on the same batch instead")
     args = p.parse_args()
     if args.trl:
@@ -80,6 +86,7 @@ def main() -> None:
     settings = LearnerSettings(
         model=args.model, device="cpu", dtype="float32", micro_batch_tokens=args.micro_batch_tokens,
         loss={"kind": args.loss}, optim={"lr": 1e-6}, lora={"rank": args.lora_rank},
+        shared_prefix=args.shared_prefix,
     )  # fmt: skip
     trainer = Trainer(settings)
     samples = batch(trainer.vocab_size, args.prompts, args.group_size, args.prompt_len, args.completion_len)

@@ -276,6 +276,12 @@ class LearnerSettings(ServiceSettings):
     )
     seed: int = Field(default=0, description="Seed for torch/python RNGs (LoRA init, dropout).")
     gradient_checkpointing: bool = Field(default=False, description="Recompute activations in backward.")
+    shared_prefix: bool = Field(
+        default=True,
+        description="Pack the completions of one prompt into one sequence per micro-batch, the prompt "
+        "once (each row attends to it and to itself): the same logprobs and gradients for fewer tokens. "
+        "A learner of one rank with sdpa or eager attention; otherwise every row is run whole.",
+    )
     micro_batch_tokens: int = Field(
         default=0,
         ge=0,

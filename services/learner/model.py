@@ -127,12 +127,18 @@ def token_logprobs(
     module's forward (as FSDP2 needs, which un-shards the root's parameters only there), and no
     prompt position's logits are computed. logp = logit[token] - logsumexp(logits), a selective
     log-softmax (`_SelectiveLogSoftmax`): no [B, T, V] log_softmax or gather graph is built.
+
+    A packed micro-batch (`batching.collate_shared`: one prompt's rows in one sequence [1, N]) goes in
+    with its position ids and its [1, 1, N, N] attention mask; the hook picks each row's positions out
+    of the one sequence.
     """
     positions, temperature = mb.positions, mb.temperature  # [B, T], [B]
     on_hidden = _temperature_on_hidden(model)
+    packed = {} if mb.position_ids is None else {"position_ids": mb.position_ids}  # [1, N]
 
     def gather_rows(module: torch.nn.Module, args: object, output: object) -> object:
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state  # [B, L, H]
+        hidden = hidden.expand(positions.shape[0], -1, -1)  # packed: [1, N, H] -> [B, N, H], a view
         index = positions[..., None].expand(-1, -1, hidden.shape[-1])  # [B, T, H]
         picked = hidden.gather(1, index)  # [B, T, H]; padding slots pick position 0 (masked later)
         if on_hidden:
@@ -145,7 +151,11 @@ def token_logprobs(
     handle = _decoder(model).register_forward_hook(gather_rows)
     try:
         logits = model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, logits_to_keep=0
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask,
+            use_cache=False,
+            logits_to_keep=0,
+            **packed,
         ).logits  # [B, T, V]: logits[:, t] at positions[:, t]
     finally:
         handle.remove()

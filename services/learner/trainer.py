@@ -27,7 +27,16 @@ from services.common.logging import get_logger
 from services.common.weights import dtype_from_name
 from services.learner import checkpoint as ckpt
 from services.learner import sharded_checkpoint, sharding
-from services.learner.batching import MicroBatch, Sample, collate, global_norm, plan_micro_batches
+from services.learner.batching import (
+    MicroBatch,
+    Sample,
+    collate,
+    collate_shared,
+    global_norm,
+    plan_micro_batches,
+    plan_shared,
+    shares_prefix,
+)
 from services.learner.config import (
     ACCELERATOR_MICRO_BATCH_TOKENS,
     CPU_MICRO_BATCH_TOKENS,
@@ -107,6 +116,10 @@ class Trainer:
         export_dtype = settings.publish.export_dtype
         self.export_dtype = None if export_dtype == "auto" else dtype_from_name(export_dtype)
         self.model = load_policy(settings.model, self.device, settings.lora, settings.gradient_checkpointing)
+        # a packed micro-batch needs an attention that takes a [1, 1, N, N] mask (not flash-attention 2);
+        # ranks: each rank plans its own share (a group may be split across ranks)
+        attention = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
+        self.shared_prefix = settings.shared_prefix and ranks is None and attention in ("sdpa", "eager")
         if ranks is not None:
             sharding.shard(self.model, ranks, self.compute_dtype, settings.distributed)
         self.model.eval()
@@ -164,11 +177,15 @@ class Trainer:
         loss_total, entropy_sum = 0.0, 0.0
         budget = token_budget or self.token_budget
         mine = self._share(samples)  # indices into samples
-        plan = [
-            [mine[i] for i in group]
-            for group in plan_micro_batches([samples[i].length for i in mine], budget)
-        ]
-        mbs = [collate([samples[i] for i in group]) for group in plan]
+        if self.shared_prefix:  # a prompt several samples share runs once per micro-batch
+            plan = plan_shared(samples, budget)  # one rank: mine is every sample
+            mbs = [_collate([samples[i] for i in group]) for group in plan]
+        else:
+            plan = [
+                [mine[i] for i in group]
+                for group in plan_micro_batches([samples[i].length for i in mine], budget)
+            ]
+            mbs = [collate([samples[i] for i in group]) for group in plan]
         real = len(mbs)
         if self.ranks is not None:  # as many passes as the rank with the most: FSDP's collectives pair up
             mbs += [collate([EMPTY_SAMPLE])] * (sharding.passes(samples, self.ranks.world, budget) - real)
@@ -432,3 +449,7 @@ class Trainer:
         if self.writer is not None:
             self.writer.durable_step = self.step
         log.info("resumed", path=str(loaded.path), step=self.step, weight_version=self.weight_version)
+
+
+def _collate(samples: list[Sample]) -> MicroBatch:
+    return collate_shared(samples) if shares_prefix(samples) else collate(samples)

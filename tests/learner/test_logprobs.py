@@ -1,6 +1,8 @@
 """`model.token_logprobs` against a straightforward reference: full-length logits → log_softmax(logits / T)
 → gather, for logprobs, entropies and parameter gradients (full model, LoRA, a head with a bias), and
-under FSDP2 (one rank, Gloo, CPU) where the head's parameters exist only inside the root's forward."""
+under FSDP2 (one rank, Gloo, CPU) where the head's parameters exist only inside the root's forward.
+A micro-batch of one prompt's rows packed into one sequence (`collate_shared`: the prompt once) gives
+what the whole rows give, for the same three models."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.learner.batching import MicroBatch, Sample, collate
+from services.learner.batching import MicroBatch, Sample, collate, collate_shared
 from services.learner.config import LoraConfig
 from services.learner.model import load_policy, token_logprobs
 
@@ -24,6 +26,19 @@ def samples() -> list[Sample]:
         ((1, 2, 3, 4, 5, 6, 7, 8, 9), (63,), 0.7),
     ]
     return [Sample(p, c, (-4.0,) * len(c), 1.0, t) for p, c, t in rows]
+
+
+def shared_samples() -> list[Sample]:
+    """One prompt's completions: different lengths (one of a single token), temperatures 1 and 0.7, an
+    environment span (context, masked)."""
+    prompt = (5, 9, 2, 17, 30, 8)
+    rows = [
+        ((7, 1, 33, 4, 8), 1.0, ()),
+        ((21, 2), 0.7, ()),
+        ((6, 6, 50, 13, 2, 8, 19), 1.0, ((2, 4),)),
+        ((63,), 0.7, ()),
+    ]
+    return [Sample(prompt, c, (-4.0,) * len(c), 1.0, t, spans) for c, t, spans in rows]
 
 
 def reference(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,10 +62,19 @@ def run(fn, model: torch.nn.Module, mb: MicroBatch, weights: torch.Tensor):
 
 
 def assert_matches_reference(model: torch.nn.Module) -> None:
-    mb = collate(samples())
+    assert_rows_match_reference(model, collate(samples()), collate(samples()))
+    # the prompt once, its keys and values every row's past: the whole rows' logprobs and gradients
+    group = shared_samples()
+    shared, whole = collate_shared(group), collate(group)
+    assert shared.position_ids is not None and shared.mask.tolist() == whole.mask.tolist()
+    assert_rows_match_reference(model, shared, whole)
+
+
+def assert_rows_match_reference(model: torch.nn.Module, mb: MicroBatch, rows: MicroBatch) -> None:
+    """token_logprobs on `mb` against the reference on `rows` (the same samples as whole rows)."""
     weights = torch.randn(mb.mask.shape, generator=torch.Generator().manual_seed(0))  # [B, T]
     logp, entropy, grads = run(lambda m, b: token_logprobs(m, b, with_entropy=True), model, mb, weights)
-    ref_logp, ref_entropy, ref_grads = run(reference, model, mb, weights)
+    ref_logp, ref_entropy, ref_grads = run(reference, model, rows, weights)
     torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=1e-5)
     assert grads.keys() == ref_grads.keys() and grads

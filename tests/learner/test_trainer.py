@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from services.common.advantages import LossKind
 from services.common.cpus import BusyFile
 from services.learner import checkpoint as ckpt
-from services.learner.batching import Sample, collate, plan_micro_batches
+from services.learner.batching import Sample, collate, collate_shared, plan_micro_batches, plan_shared
 from services.learner.checkpoint import list_checkpoints
 from services.learner.config import (
     CPU_MICRO_BATCH_TOKENS,
@@ -64,6 +65,101 @@ def test_collate_aligns_completion_positions_with_the_predicting_logits():
     assert mb.mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert mb.behav.tolist() == [[-1, -2, -3], [-0.5, 0, 0]]
     assert mb.temperature.tolist() == pytest.approx([1.0, 0.7])
+
+
+def _groups(seed: int = 3) -> list[Sample]:
+    """Two prompts of 4 completions each (G = 4) and three samples whose prompts no other shares (one of
+    them a one-token prompt, which is never a prefix), shuffled: the learner gets groups in any order."""
+    rng = random.Random(seed)
+
+    def sample(prompt: tuple[int, ...]) -> Sample:
+        completion = tuple(rng.randrange(64) for _ in range(rng.randint(1, 7)))
+        behav = tuple(-4.16 + rng.uniform(-0.3, 0.3) for _ in completion)
+        return Sample(prompt, completion, behav, rng.uniform(-1.5, 1.5), 0.7)
+
+    prompts = [(3, 9, 27, 4, 1), (8, 8, 2)]
+    out = [sample(p) for p in prompts for _ in range(4)] + [sample((5, 6)), sample((7,)), sample((1, 2, 3))]
+    rng.shuffle(out)
+    return out
+
+
+def test_collate_shared_packs_the_prompt_once_and_each_row_from_its_last_token():
+    group = [
+        Sample((5, 6, 4), (7, 8, 9), (-1.0, -2.0, -3.0), 0.5),
+        Sample((5, 6, 4), (2,), (-0.5,), -1.0, 0.7),
+    ]
+    mb = collate_shared(group)
+    # the prompt but its last token, then per row: the prompt's last token, the completion but its last
+    assert mb.input_ids.tolist() == [[5, 6, 4, 7, 8, 4]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 2]]  # each row's positions continue the prompt's
+    assert mb.attention_mask.int().tolist() == [[[
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],  # row 0: the prompt and itself, causally
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 0, 1],  # row 1: the prompt and itself, never row 0
+    ]]]  # fmt: skip
+    assert mb.positions.tolist() == [[2, 3, 4], [5, 0, 0]]  # the packed positions predicting each token
+    assert mb.completion_ids.tolist() == [[7, 8, 9], [2, 0, 0]] and mb.mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_plan_shared_gives_each_shared_prompt_micro_batches_of_its_own():
+    samples = _groups()
+    plan = plan_shared(samples, token_budget=16)
+    assert sorted(i for group in plan for i in group) == list(range(len(samples)))
+    for group in plan:
+        prompts = {samples[i].prompt_ids for i in group}
+        if len(prompts) > 1 or len(group) == 1:
+            continue
+        packed = len(samples[group[0]].prompt_ids) - 1 + sum(len(samples[i].completion_ids) for i in group)
+        assert packed <= 16
+    shared = [g for g in plan if len(g) > 1 and len({samples[i].prompt_ids for i in g}) == 1]
+    assert {samples[g[0]].prompt_ids for g in shared} == {(3, 9, 27, 4, 1), (8, 8, 2)}
+    mixed = [g for g in plan if g not in shared]  # the rest, as plan_micro_batches plans them
+    assert all(len(samples[i].prompt_ids) < 2 or samples[i].prompt_ids in {(5, 6), (1, 2, 3)}
+               for g in mixed for i in g)  # fmt: skip
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+def test_a_shared_prompt_gives_the_same_step_for_less_compute(micro_model_dir, kl_beta):
+    samples = _groups()
+    plain = make_trainer(micro_model_dir, shared_prefix=False, loss=LossConfig(kl_beta=kl_beta))
+    shared = make_trainer(micro_model_dir, loss=LossConfig(kl_beta=kl_beta))
+    assert shared.shared_prefix and not plain.shared_prefix
+    embedded: dict[str, list[tuple[int, ...]]] = {"plain": [], "shared": []}  # every forward's input ids
+    for name, trainer in (("plain", plain), ("shared", shared)):
+        for model in (trainer.model, trainer.ref_model):  # the KL's reference model (full fine-tune)
+            if model is not None:
+                model.get_input_embeddings().register_forward_hook(
+                    lambda m, args, out, name=name: embedded[name].append(tuple(args[0].shape))
+                )
+    for kind in LossKind:
+        figures, logprobs = [], []
+        for trainer in (plain, shared):
+            trainer.loss_cfg = LossConfig(kind=kind, kl_beta=kl_beta, max_completion_len=7)
+            trainer.optimizer.zero_grad(set_to_none=True)
+            collected: dict[int, torch.Tensor] = {}
+            figures.append(trainer.accumulate_gradients(samples, logprobs=collected))
+            logprobs.append(collected)
+        assert figures[1]["loss"] == pytest.approx(figures[0]["loss"], rel=1e-5, abs=1e-7), kind
+        assert figures[1]["num_tokens"] == figures[0]["num_tokens"]
+        for a, b in zip(grads(shared), grads(plain), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert logprobs[0].keys() == logprobs[1].keys() == set(range(len(samples)))
+        for i, row in logprobs[0].items():
+            torch.testing.assert_close(logprobs[1][i], row, rtol=0, atol=1e-5)
+    # each shared prompt's rows went in packed, one sequence per micro-batch with the prompt once:
+    # fewer tokens in all (the reference model's forwards too)
+    packed = sorted(
+        (1, len(samples[g[0]].prompt_ids) - 1 + sum(len(samples[i].completion_ids) for i in g))
+        for g in plan_shared(samples, shared.token_budget)
+        if len(g) > 1 and len({samples[i].prompt_ids for i in g}) == 1
+    )  # fmt: skip
+    assert len(packed) == 2  # one micro-batch per shared prompt (the default budget holds each)
+    passes = len(LossKind) * (2 if kl_beta else 1)
+    assert sorted(s for s in embedded["shared"] if s in packed) == sorted(packed * passes)
+    assert sum(math.prod(s) for s in embedded["shared"]) < sum(math.prod(s) for s in embedded["plain"])
 
 
 # ---------------------------------------------------------------- accumulation

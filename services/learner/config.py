@@ -36,8 +36,10 @@ from services.common.weights import CHUNK_BYTES, DEFAULT_BUCKET_BYTES
 # Padded tokens per micro-batch when `micro_batch_tokens` is 0 (by device). On CPU: a ~29M model's step over
 # 32 samples of ~120 tokens took 9.3 s at 512 against 10.7-11.9 s at 8192 (docs/performance.md); since the
 # head runs on completion rows only, 2048 is ~11 % faster for SmolLM2 alone, but not beside vLLM's
-# generation in a run (docs/perf-notes.md), so 512 stays. On an accelerator, bigger batches fill it.
-CPU_MICRO_BATCH_TOKENS = 512
+# generation in a run (docs/perf-notes.md). 1024 holds a whole packed group of G = 8 64-token completions
+# (`shared_prefix`): SmolLM2's step alone 27.4-28.4 s at 512 against 22.5 s at 1024, whole rows 29.8 s at
+# 1024 against 30.5-31.7 s at 512. On an accelerator, bigger batches fill it.
+CPU_MICRO_BATCH_TOKENS = 1024
 ACCELERATOR_MICRO_BATCH_TOKENS = 8192
 # The malloc mmap threshold of a learner of several ranks when `malloc_mmap_threshold_bytes` is unset:
 # FSDP's gathered layers and the activations are mapped, so what a rank frees goes back to the system.

@@ -116,10 +116,8 @@ class Trainer:
         export_dtype = settings.publish.export_dtype
         self.export_dtype = None if export_dtype == "auto" else dtype_from_name(export_dtype)
         self.model = load_policy(settings.model, self.device, settings.lora, settings.gradient_checkpointing)
-        # a packed micro-batch needs an attention that takes a [1, 1, N, N] mask (not flash-attention 2);
-        # ranks: each rank plans its own share (a group may be split across ranks)
-        attention = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
-        self.shared_prefix = settings.shared_prefix and ranks is None and attention in ("sdpa", "eager")
+        # ranks: each rank plans its own share of the batch, in which a group may be split
+        self.shared_prefix = settings.shared_prefix and ranks is None and packs(self.model.config)
         if ranks is not None:
             sharding.shard(self.model, ranks, self.compute_dtype, settings.distributed)
         self.model.eval()
@@ -453,3 +451,12 @@ class Trainer:
 
 def _collate(samples: list[Sample]) -> MicroBatch:
     return collate_shared(samples) if shares_prefix(samples) else collate(samples)
+
+
+def packs(config: object) -> bool:
+    """Whether one prompt's rows may go packed into one sequence under a [1, 1, N, N] mask: an attention
+    that takes such a mask (sdpa or eager, not flash-attention 2), and no sliding window (the mask would
+    not say it)."""
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    return attention in ("sdpa", "eager") and not sliding

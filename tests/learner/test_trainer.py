@@ -186,7 +186,7 @@ def test_the_micro_batch_budget_follows_the_device_unless_set(micro_model_dir, m
     by_device = make_trainer(micro_model_dir)
     assert by_device.token_budget == CPU_MICRO_BATCH_TOKENS
     samples = make_samples(9, seed=1)
-    assert by_device.accumulate_gradients(samples)["micro_batches"] == 1  # 9 short samples fit in 512
+    assert by_device.accumulate_gradients(samples)["micro_batches"] == 1  # 9 short samples fit in 1024
     small = make_trainer(micro_model_dir, micro_batch_tokens=12)
     assert small.token_budget == 12
     assert small.accumulate_gradients(samples)["micro_batches"] >= 4

@@ -122,8 +122,9 @@ class Orchestrator:
                 asyncio.create_task(self.pool.pause_watch.run(), name="pause-watch"),
             ]
             trainer = asyncio.create_task(self._train(), name="trainer")
+            background.append(trainer)  # cancelled with the rest when the run is (`finally`)
             # Whichever ends first: the trainer (done/failed) or a background task crashing.
-            done, _ = await asyncio.wait([trainer, *background], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(background, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()
             if trainer not in done:
@@ -140,10 +141,12 @@ class Orchestrator:
             log.exception("run failed", error=self.error)
             raise
         finally:
-            await self.intake.close()
+            # cancelled before anything is awaited here: the trainer (a task of its own, which
+            # cancelling `run` does not reach) must not train a step after the ending is recorded
             in_flight = [*self.groups.tasks, *([self.step_sync.job] if self.step_sync.job else [])]
             for task in [*background, *in_flight]:
                 task.cancel()
+            await self.intake.close()
             await asyncio.gather(*background, *in_flight, return_exceptions=True)
             await self.store.close()
             self.report.close()

@@ -197,10 +197,7 @@ class Runs:
         record), why it is not live, and this studio's own process for it."""
         run_dir = self.path(run_id)
         launched = self.launched.get(run_id)
-        live = liveset.read(run_dir)  # the launcher's record of the processes it runs (restarts rewrite it)
-        services = [
-            {"role": m.role, "pid": m.pid, "running": m.running()} for m in (live.services if live else [])
-        ]
+        services = _services(run_dir)
         process = None
         if launched is not None:
             process = {

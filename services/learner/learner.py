@@ -296,9 +296,10 @@ class Learner:
             started = time.perf_counter()
             self._publish.state[HOLDERS_KEY] = holders  # this request's (prepares run one at a time)
             export = partial(trainer.export, snapshot=not transport.live_state)
-            item, fresh = self.store.prepare(
-                trainer.weight_version, transport, export, self._publish, receivers
-            )
+            with trainer.on_idle_cores():  # copying the model: torch's copies run on its whole pool
+                item, fresh = self.store.prepare(
+                    trainer.weight_version, transport, export, self._publish, receivers
+                )
             ms = (time.perf_counter() - started) * 1e3 if fresh else 0.0
             loop.call_soon_threadsafe(_resolve, described, (item, ms))
             if fresh:

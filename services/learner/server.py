@@ -17,7 +17,7 @@ import os
 import grpc
 
 from grpo.learner.v1 import learner_pb2, learner_pb2_grpc
-from services.common.malloc import set_mmap_threshold
+from services.common.malloc import keep_freed, set_mmap_threshold
 from services.common.serve import run_service, service_names
 from services.common.telemetry import Reading
 from services.learner.config import LearnerSettings
@@ -79,8 +79,10 @@ class LearnerApp:
 def main(argv: list[str] | None = None, prog: str = "python -m services.learner") -> None:
     """Rank 0 (the only rank without torchrun) serves; under torchrun the other ranks follow it."""
     settings = LearnerSettings.from_cli(argv, prog=prog)
-    if threshold := settings.mmap_threshold(world_size()):
-        set_mmap_threshold(threshold)  # before the model's first allocation
+    if settings.keeps_freed(world_size()):
+        keep_freed()  # before the model's first allocation and the service's threads
+    elif threshold := settings.mmap_threshold(world_size()):
+        set_mmap_threshold(threshold)
     if world_size() > 1 and int(os.environ.get("RANK", "0")) != 0:
         run_follower(settings)
         return

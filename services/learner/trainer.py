@@ -17,6 +17,7 @@ import copy
 import math
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,7 +135,12 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = settings.optim
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+            self.params,
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=_fused_adamw(self.params),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, o))
         self.weight_version = 0
@@ -249,6 +255,18 @@ class Trainer:
             self._looks[0] += 1
             self._looks[1] += self.borrower.borrow()
 
+    @contextlib.contextmanager
+    def on_idle_cores(self) -> Iterator[None]:
+        """Run the block on the lenders' cores too if they are idle as it starts (one look; with no
+        borrower, on the learner's own cores). Call it on the model thread."""
+        if self.borrower:
+            self.borrower.borrow()
+        try:
+            yield
+        finally:
+            if self.borrower:
+                self.borrower.give_back()
+
     def _watch_blocks(self) -> None:
         """Look at the lenders again before each repeated block's forward and backward, not only at
         each pass's start: a pass of a ~30M model takes 0.3–0.7 s on one core, and a rollout that goes
@@ -280,13 +298,16 @@ class Trainer:
             logprobs = [collected[i] for i in range(len(samples))]
         clip = self.settings.optim.max_grad_norm
         max_norm = clip if clip > 0 else float("inf")
-        grad_norm = sharding.full_norm(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        lr = self.scheduler.get_last_lr()[0]
-        finite = math.isfinite(grad_norm)
-        if finite:
-            self.optimizer.step()
-        else:
-            log.warning("non-finite gradient norm: update skipped", grad_norm=grad_norm, batch_id=batch_id)
+        with self.on_idle_cores():  # the update too
+            grad_norm = sharding.full_norm(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            lr = self.scheduler.get_last_lr()[0]
+            finite = math.isfinite(grad_norm)
+            if finite:
+                self.optimizer.step()
+            else:
+                log.warning(
+                    "non-finite gradient norm: update skipped", grad_norm=grad_norm, batch_id=batch_id
+                )
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
@@ -460,3 +481,10 @@ def packs(config: object) -> bool:
     attention = getattr(config, "_attn_implementation", None) or "sdpa"
     sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
     return attention in ("sdpa", "eager") and not sliding
+
+
+def _fused_adamw(params: list[torch.nn.Parameter]) -> bool:
+    """AdamW's fused kernel (one pass over each parameter, its gradient and both moments) wherever it
+    runs: floating-point parameters on the CPU or CUDA. SmolLM2-135M's update on one core: 0.16 s
+    fused against 0.67 s for the default per-tensor loop (1.07 s `foreach`)."""
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from services.learner.config import SHARDED_MMAP_THRESHOLD, LearnerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,3 +81,16 @@ def test_the_malloc_threshold_is_fixed_for_several_ranks_unless_set():
     for given in ("0", "1048576"):
         settings = LearnerSettings.from_cli(["--model", "m", "--malloc-mmap-threshold-bytes", given])
         assert settings.mmap_threshold(1) == settings.mmap_threshold(4) == int(given)
+
+
+def test_one_rank_keeps_freed_memory_unless_told_otherwise():
+    """Unset: the heap keeps freed blocks for one rank (no page faults for each step's activations) and
+    not for several; a threshold given turns it off; both together are refused."""
+    default = LearnerSettings.from_cli(["--model", "m"])
+    assert default.keeps_freed(1) and not default.keeps_freed(2)
+    threshold = LearnerSettings.from_cli(["--model", "m", "--malloc-mmap-threshold-bytes", "1048576"])
+    assert not threshold.keeps_freed(1)
+    off = LearnerSettings.from_cli(["--model", "m", "--malloc-keep-freed", "false"])
+    assert not off.keeps_freed(1) and off.mmap_threshold(1) == 0
+    with pytest.raises(ValueError, match="malloc_keep_freed"):
+        LearnerSettings(model="m", malloc_keep_freed=True, malloc_mmap_threshold_bytes=1 << 20)

@@ -448,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             print(
                 f"round {round_ + 1} {side:>10}: {result['steps_per_s']:.3f} steps/s, "
-                f"idle {result['learner_idle']:.2f}, wall {result['wall_s']:.0f} s"
+                f"idle {result['learner_idle']:.2f}, train step {result['train_s']:.1f} s, "
+                f"CPU {result['cpu_s']:.1f} s/step, wall {result['wall_s']:.0f} s"
                 + (
                     f", micro-batches on borrowed cores {result['borrowed']:.0%}"
                     if "borrowed" in result

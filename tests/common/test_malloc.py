@@ -14,9 +14,9 @@ import pytest
 
 from services.common.malloc import MAX_MMAP_THRESHOLD, set_mmap_threshold
 
-PROBE = """
-import ctypes, sys
-from services.common.malloc import set_mmap_threshold
+LIBC = """
+import ctypes, resource, sys, threading
+from services.common.malloc import keep_freed, set_mmap_threshold
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
@@ -25,8 +25,14 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 libc.mallinfo2.restype = MallInfo2
+"""
+
+PROBE = (
+    LIBC
+    + """
 if sys.argv[1] == "fixed":
     assert set_mmap_threshold(1 << 20)
 libc.free(libc.malloc(16 << 20))  # a mapped block freed: glibc's dynamic threshold rises past 16 MiB
@@ -35,6 +41,7 @@ block = libc.malloc(8 << 20)
 print(libc.mallinfo2().hblkhd - before)
 libc.free(block)
 """
+)
 
 
 def _mapped_growth(mode: str) -> int:
@@ -55,20 +62,9 @@ def test_a_size_glibc_refuses_is_refused(nbytes: int) -> None:
         set_mmap_threshold(nbytes)
 
 
-KEEP = """
-import ctypes, resource, sys, threading
-from services.common.malloc import keep_freed
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-                 "fordblks", "keepcost")]
-
-libc = ctypes.CDLL(None)
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-libc.mallinfo2.restype = MallInfo2
+KEEP = (
+    LIBC
+    + """
 if sys.argv[1] == "keep":
     assert keep_freed()
 size = 96 << 20  # above glibc's largest mmap threshold and a thread arena's 64 MiB heap
@@ -88,6 +84,7 @@ thread.start()
 thread.join()
 print(" ".join(f"{f},{m}" for f, m in out))
 """
+)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")

@@ -305,7 +305,8 @@ class LearnerSettings(ServiceSettings):
         "own, no trimming), so each step's big activations reuse the last step's memory instead of "
         "pages the kernel faults in and zeroes (services/common/malloc.py; SmolLM2-135M: ~0.9 million "
         "page faults per step -> 0, resident memory +4 %, never given back). Unset = on for a learner of "
-        "one rank without malloc_mmap_threshold_bytes, off otherwise.",
+        "one rank on the CPU without malloc_mmap_threshold_bytes, off otherwise (an accelerator's "
+        "activations are not the host's, and its host copies, e.g. checkpoints, are better given back).",
     )
     strict_step: bool = Field(
         default=True,
@@ -355,11 +356,12 @@ class LearnerSettings(ServiceSettings):
             )
         return self
 
-    def keeps_freed(self, world: int) -> bool:
-        """Whether a learner of `world` ranks runs malloc with a heap that keeps what is freed."""
+    def keeps_freed(self, world: int, device_type: str) -> bool:
+        """Whether a learner of `world` ranks on `device_type` ("cpu", "cuda", ...: the resolved device)
+        runs malloc with a heap that keeps what is freed."""
         if self.malloc_keep_freed is not None:
             return self.malloc_keep_freed
-        return world == 1 and self.malloc_mmap_threshold_bytes is None
+        return world == 1 and device_type == "cpu" and self.malloc_mmap_threshold_bytes is None
 
     def mmap_threshold(self, world: int) -> int:
         """The malloc mmap threshold a learner of `world` ranks runs with (0: glibc's own)."""

@@ -22,6 +22,7 @@ from services.common.serve import run_service, service_names
 from services.common.telemetry import Reading
 from services.learner.config import LearnerSettings
 from services.learner.learner import Learner
+from services.learner.model import resolve_device
 from services.learner.ranks import run_follower
 from services.learner.servicer import LearnerServicer
 from services.learner.sharding import world_size
@@ -79,7 +80,7 @@ class LearnerApp:
 def main(argv: list[str] | None = None, prog: str = "python -m services.learner") -> None:
     """Rank 0 (the only rank without torchrun) serves; under torchrun the other ranks follow it."""
     settings = LearnerSettings.from_cli(argv, prog=prog)
-    if settings.keeps_freed(world_size()):
+    if settings.keeps_freed(world_size(), resolve_device(settings.device).type):
         keep_freed()  # before the model's first allocation and the service's threads
     elif threshold := settings.mmap_threshold(world_size()):
         set_mmap_threshold(threshold)

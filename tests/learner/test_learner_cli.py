@@ -84,13 +84,17 @@ def test_the_malloc_threshold_is_fixed_for_several_ranks_unless_set():
 
 
 def test_one_rank_keeps_freed_memory_unless_told_otherwise():
-    """Unset: the heap keeps freed blocks for one rank (no page faults for each step's activations) and
-    not for several; a threshold given turns it off; both together are refused."""
+    """Unset: the heap keeps freed blocks for one rank on the CPU (no page faults for each step's
+    activations), not for several ranks nor on an accelerator; a threshold given turns it off; both
+    together are refused."""
     default = LearnerSettings.from_cli(["--model", "m"])
-    assert default.keeps_freed(1) and not default.keeps_freed(2)
+    assert default.keeps_freed(1, "cpu")
+    assert not default.keeps_freed(2, "cpu") and not default.keeps_freed(1, "cuda")
     threshold = LearnerSettings.from_cli(["--model", "m", "--malloc-mmap-threshold-bytes", "1048576"])
-    assert not threshold.keeps_freed(1)
+    assert not threshold.keeps_freed(1, "cpu")
     off = LearnerSettings.from_cli(["--model", "m", "--malloc-keep-freed", "false"])
-    assert not off.keeps_freed(1) and off.mmap_threshold(1) == 0
+    assert not off.keeps_freed(1, "cpu") and off.mmap_threshold(1) == 0
+    on = LearnerSettings.from_cli(["--model", "m", "--malloc-keep-freed", "true"])
+    assert on.keeps_freed(1, "cuda")
     with pytest.raises(ValueError, match="malloc_keep_freed"):
         LearnerSettings(model="m", malloc_keep_freed=True, malloc_mmap_threshold_bytes=1 << 20)

@@ -41,12 +41,7 @@ def set_mmap_threshold(nbytes: int) -> bool:
     where the C library is not glibc (nothing changed); ValueError for a size glibc refuses."""
     if not 0 < nbytes <= MAX_MMAP_THRESHOLD:
         raise ValueError(f"an mmap threshold must be in (0, {MAX_MMAP_THRESHOLD}] bytes, got {nbytes}")
-    libc = _glibc()
-    if libc is None:
-        return False
-    if libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(nbytes)) != 1:
-        raise OSError(f"mallopt(M_MMAP_THRESHOLD, {nbytes}) failed")
-    return True
+    return _mallopt((M_MMAP_THRESHOLD, nbytes))
 
 
 def keep_freed() -> bool:
@@ -54,10 +49,16 @@ def keep_freed() -> bool:
     give its free memory back to the system (no trimming), so freed blocks are reused without page
     faults. Call it before the process allocates much or starts threads. False where the C library is
     not glibc (nothing changed)."""
+    return _mallopt((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, INT_MAX))
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """`mallopt(option, value)` for each pair; False where the C library is not glibc (nothing changed),
+    OSError for a pair glibc refuses."""
     libc = _glibc()
     if libc is None:
         return False
-    for option, value in ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, INT_MAX)):
+    for option, value in settings:
         if libc.mallopt(option, ctypes.c_int(value)) != 1:
             raise OSError(f"mallopt({option}, {value}) failed")
     return True

@@ -299,12 +299,12 @@ class LearnerSettings(ServiceSettings):
         f"blocks freed and lets the heap keep them; unset = {SHARDED_MMAP_THRESHOLD} for a learner of "
         "several ranks (SmolLM2-135M, 2 ranks: peak 4.25 -> 3.0 GB per rank, step +4 %); one rank: glibc's.",
     )
-    malloc_keep_freed: bool | None = Field(
-        default=None,
+    malloc_keep_freed: Literal["auto", "on", "off"] = Field(
+        default="auto",
         description="glibc's malloc: one heap that keeps what is freed (one arena, no block mapped on its "
         "own, no trimming), so each step's big activations reuse the last step's memory instead of "
         "pages the kernel faults in and zeroes (services/common/malloc.py; SmolLM2-135M: ~0.9 million "
-        "page faults per step -> 0, resident memory +4 %, never given back). Unset = on for a learner of "
+        "page faults per step -> 0, resident memory +4 %, never given back). auto = on for a learner of "
         "one rank on the CPU without malloc_mmap_threshold_bytes, off otherwise (an accelerator's "
         "activations are not the host's, and its host copies, e.g. checkpoints, are better given back).",
     )
@@ -350,17 +350,17 @@ class LearnerSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _one_malloc_policy(self) -> LearnerSettings:
-        if self.malloc_keep_freed and self.malloc_mmap_threshold_bytes:
+        if self.malloc_keep_freed == "on" and self.malloc_mmap_threshold_bytes:
             raise ValueError(
-                "malloc_keep_freed maps no block on its own: it cannot go with malloc_mmap_threshold_bytes"
+                "malloc_keep_freed=on maps no block on its own: it cannot go with malloc_mmap_threshold_bytes"
             )
         return self
 
     def keeps_freed(self, world: int, device_type: str) -> bool:
         """Whether a learner of `world` ranks on `device_type` ("cpu", "cuda", ...: the resolved device)
         runs malloc with a heap that keeps what is freed."""
-        if self.malloc_keep_freed is not None:
-            return self.malloc_keep_freed
+        if self.malloc_keep_freed != "auto":
+            return self.malloc_keep_freed == "on"
         return world == 1 and device_type == "cpu" and self.malloc_mmap_threshold_bytes is None
 
     def mmap_threshold(self, world: int) -> int:

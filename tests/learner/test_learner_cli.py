@@ -84,7 +84,7 @@ def test_the_malloc_threshold_is_fixed_for_several_ranks_unless_set():
 
 
 def test_one_rank_keeps_freed_memory_unless_told_otherwise():
-    """Unset: the heap keeps freed blocks for one rank on the CPU (no page faults for each step's
+    """auto (the default): the heap keeps freed blocks for one rank on the CPU (no page faults for each step's
     activations), not for several ranks nor on an accelerator; a threshold given turns it off; both
     together are refused."""
     default = LearnerSettings.from_cli(["--model", "m"])
@@ -92,9 +92,14 @@ def test_one_rank_keeps_freed_memory_unless_told_otherwise():
     assert not default.keeps_freed(2, "cpu") and not default.keeps_freed(1, "cuda")
     threshold = LearnerSettings.from_cli(["--model", "m", "--malloc-mmap-threshold-bytes", "1048576"])
     assert not threshold.keeps_freed(1, "cpu")
-    off = LearnerSettings.from_cli(["--model", "m", "--malloc-keep-freed", "false"])
+    off = LearnerSettings.from_cli(["--model", "m", "--malloc-keep-freed", "off"])
     assert not off.keeps_freed(1, "cpu") and off.mmap_threshold(1) == 0
-    on = LearnerSettings.from_cli(["--model", "m", "--malloc-keep-freed", "true"])
+    on = LearnerSettings.from_cli(["--model", "m", "--malloc-keep-freed", "on"])
     assert on.keeps_freed(1, "cuda")
     with pytest.raises(ValueError, match="malloc_keep_freed"):
-        LearnerSettings(model="m", malloc_keep_freed=True, malloc_mmap_threshold_bytes=1 << 20)
+        LearnerSettings(model="m", malloc_keep_freed="on", malloc_mmap_threshold_bytes=1 << 20)
+    both = ["--malloc-keep-freed", "on", "--malloc-mmap-threshold-bytes", "1"]
+    for refused in (["--malloc-keep-freed", "true"], both):
+        with pytest.raises(SystemExit) as exit_:
+            LearnerSettings.from_cli(["--model", "m", *refused])
+        assert exit_.value.code == 2

@@ -21,10 +21,11 @@ read (trainer.py hands model.py, losses.py and checkpoint.py the values or secti
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.advantages import LossKind
@@ -33,6 +34,8 @@ from services.common.cpus import CpuList, parse_cpu_list
 from services.common.malloc import MAX_MMAP_THRESHOLD
 from services.common.weights import CHUNK_BYTES, DEFAULT_BUCKET_BYTES
 
+# What `device` may name: the devices the learner runs on, in torch's spelling
+DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
 # Padded tokens per micro-batch when `micro_batch_tokens` is 0 (by device). On CPU: a ~29M model's step over
 # 32 samples of ~120 tokens took 9.3 s at 512 against 10.7-11.9 s at 8192 (docs/performance.md); since the
 # head runs on completion rows only, 2048 is ~11 % faster for SmolLM2 alone, but not beside vLLM's
@@ -272,6 +275,14 @@ class LearnerSettings(ServiceSettings):
     device: str = Field(
         default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'."
     )
+
+    @field_validator("device")
+    @classmethod
+    def _a_torch_device(cls, value: str) -> str:
+        if not DEVICE.fullmatch(value):
+            raise ValueError("a device is 'auto', 'cpu', 'cuda', 'cuda:N', 'mps', 'xpu' or 'xpu:N'")
+        return value
+
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
         description="Compute dtype (autocast); parameters stay fp32. auto = bf16 on GPU, fp32 on CPU.",

@@ -28,6 +28,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def unavailable(device: torch.device) -> str | None:
+    """Why the learner cannot run on `device` on this machine (None: it can)."""
+    if device.type == "cpu":
+        return None
+    backend = getattr(torch, device.type)  # the validated names (config.DEVICE): cuda, mps, xpu
+    if not backend.is_available():
+        return f"no {device.type} device is available here (torch {torch.__version__})"
+    if device.index is not None and device.index >= backend.device_count():
+        return f"{device} does not exist here: {backend.device_count()} {device.type} device(s)"
+    return None
+
+
 def resolve_compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """'auto' → bf16 autocast on GPU, fp32 on CPU. Parameters (and optimizer state) stay fp32."""
     if dtype == "auto":

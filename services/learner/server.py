@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import grpc
 
@@ -22,7 +23,7 @@ from services.common.serve import run_service, service_names
 from services.common.telemetry import Reading
 from services.learner.config import LearnerSettings
 from services.learner.learner import Learner
-from services.learner.model import resolve_device
+from services.learner.model import resolve_device, unavailable
 from services.learner.ranks import run_follower
 from services.learner.servicer import LearnerServicer
 from services.learner.sharding import world_size
@@ -80,7 +81,11 @@ class LearnerApp:
 def main(argv: list[str] | None = None, prog: str = "python -m services.learner") -> None:
     """Rank 0 (the only rank without torchrun) serves; under torchrun the other ranks follow it."""
     settings = LearnerSettings.from_cli(argv, prog=prog)
-    if settings.keeps_freed(world_size(), resolve_device(settings.device).type):
+    device = resolve_device(settings.device)
+    if (missing := unavailable(device)) is not None:
+        print(f"{prog}: error: --device: {missing} (got {settings.device!r})", file=sys.stderr)
+        raise SystemExit(2)
+    if settings.keeps_freed(world_size(), device.type):
         keep_freed()  # before the model's first allocation and the service's threads
     elif threshold := settings.mmap_threshold(world_size()):
         set_mmap_threshold(threshold)

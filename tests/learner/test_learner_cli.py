@@ -72,6 +72,28 @@ def test_missing_model_is_a_one_line_cli_error():
     assert "Traceback" not in out.stderr
 
 
+def test_a_device_unknown_or_absent_is_a_one_line_cli_error():
+    """A name torch does not spell, and a device this machine lacks (a CUDA index past the last), each end
+    in one line and exit 2, before any model is loaded."""
+    import torch
+
+    absent = f"cuda:{torch.cuda.device_count()}"
+    for device, says in (
+        ("garbage", "error: --device: Value error, a device is 'auto', 'cpu', 'cuda', 'cuda:N'"),
+        (absent, "error: --device: "),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "services.learner", "--model", "m", "--device", device, "--port", "0"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0] and f"(got '{device}')" in lines[0], lines
+
+
 def test_the_malloc_threshold_is_fixed_for_several_ranks_unless_set():
     """Unset: glibc's own threshold for one rank, SHARDED_MMAP_THRESHOLD for several (config.py); a value
     given on the command line (0 included: glibc's own) wins for any number of ranks."""

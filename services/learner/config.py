@@ -276,13 +276,6 @@ class LearnerSettings(ServiceSettings):
         default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'."
     )
 
-    @field_validator("device")
-    @classmethod
-    def _a_torch_device(cls, value: str) -> str:
-        if not DEVICE.fullmatch(value):
-            raise ValueError("a device is 'auto', 'cpu', 'cuda', 'cuda:N', 'mps', 'xpu' or 'xpu:N'")
-        return value
-
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
         description="Compute dtype (autocast); parameters stay fp32. auto = bf16 on GPU, fp32 on CPU.",
@@ -358,6 +351,13 @@ class LearnerSettings(ServiceSettings):
         if self.borrow.cpus and parse_cpu_list(self.borrow.cpus) <= parse_cpu_list(self.cpus):
             raise ValueError(f"borrow.cpus {self.borrow.cpus} adds no core to the learner's cpus {self.cpus}")
         return self
+
+    @field_validator("device")
+    @classmethod
+    def _a_torch_device(cls, value: str) -> str:
+        if not DEVICE.fullmatch(value):
+            raise ValueError("a device is 'auto', 'cpu', 'cuda', 'cuda:N', 'mps', 'xpu' or 'xpu:N'")
+        return value
 
     @model_validator(mode="after")
     def _one_malloc_policy(self) -> LearnerSettings:
